@@ -1,0 +1,91 @@
+"""Module-level API: starting, identifying and stopping the current worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from .runtime import RpcOptions, Worker, WorkerInfo, get_worker, remember_loop_thread
+from .runtime import _current
+
+T = TypeVar("T")
+
+# Layers above the runtime plug their actors into every new worker through these.
+worker_setup: list[Callable[[Worker], None]] = []
+
+
+async def init_rpc(
+    name: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    options: RpcOptions | None = None,
+) -> WorkerInfo:
+    """Start this worker and join the group.
+
+    Args:
+        name: unique worker name, e.g. ``"worker0"``.
+        rank, world_size: default to ``RANK``/``WORLD_SIZE`` from the environment.
+        init_method: ``"env://"`` (default: ``MASTER_ADDR``/``MASTER_PORT``),
+            ``"tcp://HOST:PORT"`` (rank 0 hosts the rendezvous) or ``"file:///path"``.
+        options: :class:`RpcOptions`.
+
+    Returns:
+        This worker's WorkerInfo, once every worker has joined and can reach every other.
+    """
+    from ._errors import ActorgradError
+
+    from .runtime._rendezvous import parse_init_method
+
+    options = options or RpcOptions()
+    _, _, _, rank, world_size = parse_init_method(init_method, rank, world_size)
+    if any(not w.closed and w.loop is asyncio.get_running_loop() and w.name == name
+           for w in _current._live_workers):
+        raise ActorgradError(f"a worker named {name!r} is already running on this loop")
+    remember_loop_thread(asyncio.get_running_loop())
+    worker = Worker(name, rank, world_size, options)
+    for setup in worker_setup:
+        setup(worker)
+    await worker.start(init_method)
+    _current.current_worker.set(worker)
+    return worker.info
+
+
+async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Stop the current worker.
+
+    Graceful (default): wait until no worker of the group has outstanding work, then
+    close every connection. Never hangs: peers that are gone are skipped, and the whole
+    wait is bounded by ``timeout`` (default ``RpcOptions.shutdown_timeout``).
+    """
+    worker = get_worker()
+    await worker.shutdown(graceful=graceful, timeout=timeout)
+    if _current.current_worker.get() is worker:
+        _current.current_worker.set(None)
+
+
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
+    """The WorkerInfo of a worker by name or rank; ``None`` means this worker."""
+    worker = get_worker()
+    if worker_name is None:
+        return worker.info
+    return worker.resolve(worker_name)
+
+
+def get_rank() -> int:
+    return get_worker().rank
+
+
+def get_world_size() -> int:
+    return get_worker().world_size
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on a fresh event loop (uvloop when installed) and return its result."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

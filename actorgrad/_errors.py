@@ -1,0 +1,102 @@
+"""The whole exception tree of actorgrad.
+
+Every class says who raises it and what the caller should do about it.
+"""
+
+from __future__ import annotations
+
+
+class ActorgradError(Exception):
+    """Base class of every error actorgrad raises on purpose."""
+
+
+class ProtocolError(ActorgradError):
+    """Bytes on a connection broke the wire protocol.
+
+    Raised by the sans-IO decoder for malformed, oversized or unexpected frames.
+    The transport drops the offending connection; the worker keeps serving others.
+    """
+
+
+class AuthenticationError(ActorgradError):
+    """The connection handshake failed: a wrong or missing ``auth_key``.
+
+    Give every worker of the group the same ``RpcOptions(auth_key=...)`` (``actorgrad
+    launch`` hands one to its ranks through ``ACTORGRAD_AUTH_KEY``).
+    """
+
+
+class RemoteError(ActorgradError):
+    """The function called on another worker raised.
+
+    ``remote_type`` names the exception type, ``remote_traceback`` is the formatted
+    traceback on the callee, and ``__cause__`` is the exception itself when it could
+    be rebuilt on this side.
+    """
+
+    def __init__(self, worker: str, remote_type: str, message: str, remote_traceback: str = ""):
+        self.worker = worker
+        self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{remote_type} on {worker}: {message}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (
+            type(self),
+            (self.worker, self.remote_type, self.remote_message, self.remote_traceback),
+        )
+
+    def __str__(self) -> str:
+        text = f"{self.remote_type} on {self.worker}: {self.remote_message}"
+        if self.remote_traceback:
+            text += "\n\nRemote traceback:\n" + self.remote_traceback.rstrip()
+        return text
+
+
+class RpcTimeout(ActorgradError, TimeoutError):
+    """A call did not complete within its timeout.
+
+    The callee is told it may drop the work. Raise ``timeout=`` (``0`` means no limit)
+    or ``RpcOptions(rpc_timeout=...)`` if the work is legitimately slow.
+    """
+
+
+class WorkerLost(ActorgradError, ConnectionError):
+    """The peer died or its connection broke; raised for every call outstanding to it."""
+
+    def __init__(self, worker: str, reason: str = "connection lost"):
+        self.worker = worker
+        self.reason = reason
+        super().__init__(f"worker {worker!r} is lost: {reason}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.worker, self.reason))
+
+
+class ContextError(ActorgradError):
+    """Misuse of a distributed autograd context: unknown or released id, a backward
+    that cannot complete (for example an unused RPC in FAST mode)."""
+
+
+class CollectiveError(ActorgradError):
+    """A collective or point-to-point operation failed: mismatched ranks, shapes or
+    dtypes across workers, or a participant that is gone."""
+
+
+class ActorgradInternalError(ActorgradError):
+    """A bug in actorgrad itself; please report it with the traceback."""
+
+
+for _cls in (
+    ActorgradError,
+    ProtocolError,
+    AuthenticationError,
+    RemoteError,
+    RpcTimeout,
+    WorkerLost,
+    ContextError,
+    CollectiveError,
+    ActorgradInternalError,
+):
+    _cls.__module__ = "actorgrad"

@@ -1,0 +1,177 @@
+"""rpc_async, rpc_sync and remote: calling functions on other workers."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..runtime import PeerRef, Worker, get_worker, run_sync
+from ..wire import Payload
+from . import _hooks
+
+T = TypeVar("T")
+
+
+def _on_loop(worker: Worker) -> bool:
+    try:
+        return asyncio.get_running_loop() is worker.loop
+    except RuntimeError:
+        return False
+
+
+async def run_user_function(worker: Worker, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run a remote function: coroutine functions on the loop, others in the thread pool."""
+    if inspect.iscoroutinefunction(func):
+        value = await func(*args, **kwargs)
+    else:
+        value = await worker.run_blocking(lambda: func(*args, **kwargs))
+    if inspect.isawaitable(value):
+        value = await value
+    return value
+
+
+def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
+    """Pickle a result (with autograd metadata) to send back to ``dst``."""
+    hooks = _hooks.current()
+    meta = hooks.before_send(worker, dst)
+    payload = Payload.dump((value, meta))
+    hooks.after_send(worker, meta, payload, dst)
+    return payload
+
+
+def load_value(worker: Worker, payload: Payload, src: int) -> Any:
+    """Unpickle a result produced by :func:`dump_value` on ``src``."""
+    value, meta = payload.load()
+    _hooks.current().on_receive(worker, meta, payload, src)
+    return value
+
+
+def _serve_call(worker: Worker, peer: Any, payload: Payload) -> Any:
+    func, args, kwargs, meta = payload.load()
+    hooks = _hooks.current()
+    hooks.on_receive(worker, meta, payload, peer.rank)
+
+    async def run() -> Payload:
+        with hooks.scope(worker, meta):
+            value = await run_user_function(worker, func, args, kwargs)
+            return dump_value(worker, value, peer.rank)
+
+    return run()
+
+
+def install_handlers(worker: Worker) -> None:
+    worker.register("rpc.call", lambda peer, payload: _serve_call(worker, peer, payload))
+
+
+def send_request(
+    worker: Worker, to: PeerRef, target: str, obj_without_meta: tuple[Any, ...], timeout: float | None
+) -> tuple[int, asyncio.Future[Payload]]:
+    """Pickle ``(*obj, meta)``, record it for autograd, send it; returns (dst, future)."""
+    dst = worker.resolve(to).id
+    hooks = _hooks.current()
+    meta = hooks.before_send(worker, dst)
+    payload = Payload.dump((*obj_without_meta, meta))
+    hooks.after_send(worker, meta, payload, dst)
+    return dst, worker.call(dst, target, payload, timeout)
+
+
+def _then_load(worker: Worker, reply: asyncio.Future[Payload], src: int) -> asyncio.Future[Any]:
+    result: asyncio.Future[Any] = worker.loop.create_future()
+
+    def done(fut: asyncio.Future[Payload]) -> None:
+        if result.cancelled():
+            return
+        if fut.cancelled():
+            result.cancel()
+        elif (exc := fut.exception()) is not None:
+            result.set_exception(exc)
+        else:
+            try:
+                result.set_result(load_value(worker, fut.result(), src))
+            except Exception as load_exc:
+                result.set_exception(load_exc)
+
+    def propagate_cancel(res: asyncio.Future[Any]) -> None:
+        if res.cancelled() and not reply.done():
+            reply.cancel()
+
+    reply.add_done_callback(done)
+    result.add_done_callback(propagate_cancel)
+    return result
+
+
+def rpc_async(
+    to: PeerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> asyncio.Future[T]:
+    """Call ``func(*args, **kwargs)`` on worker ``to``; the call is sent at once.
+
+    Args:
+        to: worker name, rank or WorkerInfo.
+        func: any picklable callable (cloudpickle: lambdas and closures too); an
+            ``async def`` function is awaited on the callee's loop, others run in the
+            callee's thread pool.
+        timeout: seconds; None uses ``RpcOptions.rpc_timeout``, 0 means no limit.
+
+    Returns:
+        A future with the result. Awaiting it raises RemoteError when ``func`` raised,
+        RpcTimeout on timeout and WorkerLost when the callee died.
+    """
+    if not callable(func):
+        raise TypeError(f"rpc func must be callable, got {type(func).__name__}")
+    worker = get_worker()
+    if not _on_loop(worker):
+        raise RuntimeError(
+            "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
+        )
+    dst, reply = send_request(worker, to, "rpc.call", (func, tuple(args), dict(kwargs or {})), timeout)
+    return _then_load(worker, reply, dst)
+
+
+def rpc_sync(
+    to: PeerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> T:
+    """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
+    calling another worker) and in Jupyter's running loop."""
+    worker = get_worker()
+    return run_sync(worker, lambda: rpc_async(to, func, args, kwargs, timeout))
+
+
+def remote(
+    to: PeerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Any:
+    """Run ``func`` on ``to`` and keep the result there; returns an RRef at once.
+
+    Creation continues in the background; its failure surfaces on the next use.
+    """
+    from ._rref import create_remote
+
+    if not callable(func):
+        raise TypeError(f"remote func must be callable, got {type(func).__name__}")
+    worker = get_worker()
+    if not _on_loop(worker):
+        return run_sync(worker, lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout)))
+    return create_remote(worker, to, func, args, kwargs, timeout)
+
+
+def _as_future(worker: Worker, value: Any) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = worker.loop.create_future()
+    fut.set_result(value)
+    return fut
+
+
+__all__ = ["remote", "rpc_async", "rpc_sync", "run_user_function", "threading"]

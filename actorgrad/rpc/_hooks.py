@@ -1,0 +1,48 @@
+"""Extension points of the RPC layer, filled in by the autograd layer above it.
+
+The RPC layer calls these around every message that carries user values, so that the
+autograd layer can record send/recv pairs and run callees inside the caller's
+distributed autograd context without the RPC layer knowing about autograd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..runtime import Worker
+    from ..wire import Payload
+
+
+class CallHooks:
+    """Default hooks: no autograd recording."""
+
+    def before_send(self, worker: Worker, dst: int) -> Any:
+        """Metadata to embed in an outgoing payload (None when no context is active)."""
+        return None
+
+    def after_send(self, worker: Worker, meta: Any, payload: Payload, dst: int) -> None:
+        """The payload was pickled; ``payload.tensors`` are the tensors it carries."""
+
+    def on_receive(self, worker: Worker, meta: Any, payload: Payload, src: int) -> None:
+        """A payload was unpickled; ``payload.tensors`` are the rebuilt tensors."""
+
+    @contextlib.contextmanager
+    def scope(self, worker: Worker, meta: Any) -> Iterator[None]:
+        """The environment a callee runs in (the caller's autograd context)."""
+        yield
+
+
+hooks = CallHooks()
+
+
+def install(new_hooks: CallHooks) -> None:
+    """Replace the hooks (done once by ``actorgrad.autograd`` at import)."""
+    global hooks
+    hooks = new_hooks
+
+
+def current() -> CallHooks:
+    return hooks

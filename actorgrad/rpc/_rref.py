@@ -1,0 +1,299 @@
+"""Remote references and their lifetime protocol.
+
+# Theory of operation
+The owner keeps each shared value in an :class:`OwnerTable` entry together with the set
+of live *forks*: one fork per user-side RRef object anywhere in the group. Every time an
+RRef is pickled (sent to any worker) a fresh fork id is minted and announced to the
+owner (``rref.add_fork``) *before* the pickled bytes leave; the unpickled copy
+announces its end with ``rref.del_fork`` when it is garbage-collected. The sender's own
+fork is still alive while it sends, and its eventual ``del_fork`` travels on the same
+connection after the ``add_fork``, so the owner's set cannot empty early. A ``del_fork``
+that overtakes its ``add_fork`` (they come from different workers) leaves a tombstone
+that cancels the late ``add_fork``. The entry, and with it the value, is dropped when
+the fork set is empty. Owner-side RRef objects hold the value themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from ..runtime import PeerRef, Worker, WorkerInfo, await_threadsafe, get_worker
+from ..wire import Payload
+from . import _api
+
+T = TypeVar("T")
+RRefId = tuple[int, int]
+ForkId = tuple[int, int]
+
+
+@dataclass(slots=True)
+class _Entry:
+    value: asyncio.Future[Any]
+    forks: set[ForkId] = field(default_factory=set)
+    tombstones: set[ForkId] = field(default_factory=set)
+
+
+class OwnerTable:
+    """Values this worker owns on behalf of RRefs held anywhere (a worker extension)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.entries: dict[RRefId, _Entry] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def new_id(self) -> tuple[int, int]:
+        with self._lock:
+            return (self.worker.rank, next(self._ids))
+
+    def entry_for(self, rref_id: RRefId, value: asyncio.Future[Any]) -> _Entry:
+        entry = self.entries.get(rref_id)
+        if entry is None:
+            entry = self.entries[rref_id] = _Entry(value)
+        return entry
+
+    def add_fork(self, rref_id: RRefId, fork: ForkId) -> None:
+        entry = self.entries.get(rref_id)
+        if entry is None:
+            return
+        if fork in entry.tombstones:
+            entry.tombstones.discard(fork)
+        else:
+            entry.forks.add(fork)
+        self._maybe_free(rref_id, entry)
+
+    def del_fork(self, rref_id: RRefId, fork: ForkId) -> None:
+        entry = self.entries.get(rref_id)
+        if entry is None:
+            return
+        if fork in entry.forks:
+            entry.forks.discard(fork)
+        else:
+            entry.tombstones.add(fork)
+        self._maybe_free(rref_id, entry)
+
+    def _maybe_free(self, rref_id: RRefId, entry: _Entry) -> None:
+        if not entry.forks and not entry.tombstones:
+            del self.entries[rref_id]
+
+    def debug_info(self) -> dict[str, int]:
+        return {
+            "num_owner_rrefs": len(self.entries),
+            "num_forks": sum(len(e.forks) for e in self.entries.values()),
+        }
+
+
+def owner_table(worker: Worker) -> OwnerTable:
+    table = worker.extensions.get("rref")
+    if table is None:
+        table = worker.extensions["rref"] = OwnerTable(worker)
+    assert isinstance(table, OwnerTable)
+    return table
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by one worker of the group.
+
+    ``RRef(value)`` wraps a local value (this worker is the owner). RRefs returned by
+    :func:`actorgrad.remote` or received in arguments refer to values elsewhere.
+    """
+
+    def __init__(self, value: T) -> None:
+        worker = get_worker()
+        future: asyncio.Future[Any] = worker.loop.create_future()
+        future.set_result(value)
+        self._init(worker, worker.rank, owner_table(worker).new_id(), None, future)
+
+    def _init(
+        self, worker: Worker, owner: int, rref_id: RRefId, fork: ForkId | None,
+        value: asyncio.Future[Any] | None,
+    ) -> None:
+        self._worker = worker
+        self._owner = owner
+        self._id = rref_id
+        self._fork = fork
+        self._value = value  # set on the owner only
+
+    @classmethod
+    def _make(cls, worker: Worker, owner: int, rref_id: RRefId, fork: ForkId | None,
+              value: asyncio.Future[Any] | None) -> RRef[Any]:
+        rref: RRef[Any] = cls.__new__(cls)
+        rref._init(worker, owner, rref_id, fork, value)
+        if fork is not None and owner != worker.rank:
+            weakref.finalize(rref, _release_fork, weakref.ref(worker), owner, rref_id, fork)
+        return rref
+
+    # -- identity -------------------------------------------------------------------
+    def owner(self) -> WorkerInfo:
+        """The owner's :class:`WorkerInfo`."""
+        return self._worker.resolve(self._owner)
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def is_owner(self) -> bool:
+        return self._owner == self._worker.rank
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(owner={self.owner_name()}, id={self._id})"
+
+    # -- values ---------------------------------------------------------------------
+    def local_value(self) -> T:
+        """The value itself; only on the owner. Blocks a thread until creation ends."""
+        if self._value is None:
+            raise RuntimeError(
+                f"local_value() called on {self.owner_name()}'s RRef from "
+                f"{self._worker.name}; use `await rref.to_here()` on non-owners"
+            )
+        if not self._value.done():
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return await_threadsafe(self._worker.loop, self._value, None)  # type: ignore[no-any-return]
+            raise RuntimeError("the RRef's value is still being created; `await rref.to_here()`")
+        return self._value.result()  # type: ignore[no-any-return]
+
+    async def to_here(self, timeout: float | None = None) -> T:
+        """A copy of the value on this worker (inside an autograd context, recorded)."""
+        if self._value is not None:
+            return await asyncio.shield(self._value)  # type: ignore[no-any-return]
+        worker = self._worker
+        src, reply = _api.send_request(worker, self._owner, "rref.fetch", (self._id,), timeout)
+        return _api.load_value(worker, await reply, src)  # type: ignore[no-any-return]
+
+    # -- proxies --------------------------------------------------------------------
+    def rpc_async(self, timeout: float | None = None) -> Any:
+        """``await rref.rpc_async().method(*args)`` runs ``value.method`` on the owner."""
+        return _Proxy(self, _api.rpc_async, timeout)
+
+    def rpc_sync(self, timeout: float | None = None) -> Any:
+        return _Proxy(self, _api.rpc_sync, timeout)
+
+    def remote(self, timeout: float | None = None) -> Any:
+        return _Proxy(self, _api.remote, timeout)
+
+    # -- pickling: every copy is a new fork -----------------------------------------
+    def __reduce__(self) -> Any:
+        worker = self._worker
+        table = owner_table(worker)
+        fork = table.new_id()
+        if self._owner == worker.rank:
+            assert self._value is not None
+            table.entry_for(self._id, self._value).forks.add(fork)
+        else:
+            worker.tell(self._owner, "rref.add_fork", Payload.dump((self._id, fork)))
+        return (_rebuild, (self._owner, self._id, fork))
+
+
+def _rebuild(owner: int, rref_id: RRefId, fork: ForkId) -> RRef[Any]:
+    worker = get_worker()
+    if owner == worker.rank:
+        table = owner_table(worker)
+        entry = table.entries.get(rref_id)
+        if entry is None:
+            raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
+        value = entry.value
+        table.del_fork(rref_id, fork)
+        return RRef._make(worker, owner, rref_id, None, value)
+    return RRef._make(worker, owner, rref_id, fork, None)
+
+
+def _release_fork(worker_ref: weakref.ref[Worker], owner: int, rref_id: RRefId, fork: ForkId) -> None:
+    worker = worker_ref()
+    if worker is None or worker.closed or worker.loop.is_closed():
+        return
+
+    def send() -> None:
+        if not worker.closed:
+            try:
+                worker.tell(owner, "rref.del_fork", Payload.dump((rref_id, fork)))
+            except Exception:
+                pass  # the owner is gone: nothing left to free
+
+    try:
+        worker.loop.call_soon_threadsafe(send)
+    except RuntimeError:
+        pass
+
+
+class _Proxy:
+    def __init__(self, rref: RRef[Any], how: Any, timeout: float | None) -> None:
+        self._rref, self._how, self._timeout = rref, how, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        def invoke(*args: Any, **kwargs: Any) -> Any:
+            return self._how(self._rref._owner, _call_method, args=(self._rref, name, args, kwargs),
+                             timeout=self._timeout)
+        return invoke
+
+
+def _call_method(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any, timeout: float | None) -> RRef[Any]:
+    table = owner_table(worker)
+    rref_id, fork = table.new_id(), table.new_id()
+    owner, reply = _api.send_request(
+        worker, to, "rref.create", (rref_id, fork, func, tuple(args), dict(kwargs or {})), timeout
+    )
+    reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface on use
+    return RRef._make(worker, owner, rref_id, fork, None)
+
+
+def install_handlers(worker: Worker) -> None:
+    table = owner_table(worker)
+    from . import _hooks
+
+    def create(peer: Any, payload: Payload) -> Any:
+        rref_id, fork, func, args, kwargs, meta = payload.load()
+        hooks = _hooks.current()
+        hooks.on_receive(worker, meta, payload, peer.rank)
+        value: asyncio.Future[Any] = worker.loop.create_future()
+        table.entry_for(tuple(rref_id), value).forks.add(tuple(fork))
+
+        async def run() -> Payload:
+            try:
+                with hooks.scope(worker, meta):
+                    result = await _api.run_user_function(worker, func, args, kwargs)
+            except BaseException as exc:
+                value.set_exception(exc)
+                value.exception()  # retrieved: the error surfaces on the RRef's next use
+                raise
+            value.set_result(result)
+            return Payload.dump(None)
+
+        return run()
+
+    def fetch(peer: Any, payload: Payload) -> Any:
+        rref_id, meta = payload.load()
+        _hooks.current().on_receive(worker, meta, payload, peer.rank)
+        entry = table.entries.get(tuple(rref_id))
+        if entry is None:
+            raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
+
+        async def reply() -> Payload:
+            with _hooks.current().scope(worker, meta):
+                value = await asyncio.shield(entry.value)
+                return _api.dump_value(worker, value, peer.rank)
+
+        return reply()
+
+    def add_fork(peer: Any, payload: Payload) -> None:
+        rref_id, fork = payload.load()
+        table.add_fork(tuple(rref_id), tuple(fork))
+
+    def del_fork(peer: Any, payload: Payload) -> None:
+        rref_id, fork = payload.load()
+        table.del_fork(tuple(rref_id), tuple(fork))
+
+    worker.register("rref.create", create)
+    worker.register("rref.fetch", fetch)
+    worker.register("rref.add_fork", add_fork)
+    worker.register("rref.del_fork", del_fork)

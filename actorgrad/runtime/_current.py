@@ -1,0 +1,51 @@
+"""Which worker the module-level API talks to.
+
+A contextvar holds the current worker, so several workers can live in one process (each
+handler runs in its worker's context). Code outside any worker's context (a notebook
+cell, a thread) falls back to the only worker of the process, if there is exactly one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._worker import Worker
+
+current_worker: contextvars.ContextVar[Worker | None] = contextvars.ContextVar(
+    "actorgrad_worker", default=None
+)
+_live_workers: list[Worker] = []
+
+
+def register(worker: Worker) -> None:
+    _live_workers.append(worker)
+
+
+def unregister(worker: Worker) -> None:
+    if worker in _live_workers:
+        _live_workers.remove(worker)
+
+
+def get_worker() -> Worker:
+    """The worker of the calling code; raises if RPC is not initialized."""
+    worker = current_worker.get()
+    if worker is not None and not worker.closed:
+        return worker
+    live = [w for w in _live_workers if not w.closed]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        raise RuntimeError("RPC is not initialized: call `await actorgrad.init_rpc(name)` first")
+    raise RuntimeError(
+        "several actorgrad workers live in this process and none is current here; "
+        "call from inside a worker's context"
+    )
+
+
+def maybe_worker() -> Worker | None:
+    try:
+        return get_worker()
+    except RuntimeError:
+        return None

@@ -1,0 +1,69 @@
+"""Worker configuration and identity."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+
+from ..wire import DEFAULT_MAX_FRAME_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Identity of a worker of the group: its unique ``name`` and its rank ``id``."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+@dataclass(slots=True)
+class RpcOptions:
+    """Options of :func:`actorgrad.init_rpc`. The defaults are safe for one machine.
+
+    Attributes:
+        rpc_timeout: default timeout of every call in seconds; ``0`` means no limit.
+        auth_key: shared secret; when set, every connection proves it with an HMAC
+            challenge before any data is decoded. ``None`` reads ``ACTORGRAD_AUTH_KEY``
+            from the environment (``actorgrad launch`` sets it); empty means no auth.
+        listen_host: address the worker listens on. Loopback by default: listening on a
+            public address lets anyone who reaches it (and holds the key) run code here.
+        advertise_host: address other workers use to reach this one (default: the
+            listen address, or the address used to reach the rendezvous when listening
+            on all interfaces).
+        listen_port: port to listen on (0 picks a free one).
+        num_worker_threads: threads that run blocking remote functions off the loop.
+        heartbeat_interval / heartbeat_timeout: an idle connection is pinged every
+            interval; a peer silent for longer than the timeout while calls to it are
+            outstanding is declared lost.
+        init_timeout / shutdown_timeout: bounds on rendezvous and graceful shutdown.
+        max_frame_size: largest frame accepted from a peer, in bytes.
+        ssl_context: optional TLS; used for both listening and connecting.
+        autograd_mode: default ``mode`` of distributed backward ("fast" or "smart").
+        trace: record RPC and backward events for :func:`actorgrad.export_trace`.
+    """
+
+    rpc_timeout: float = 60.0
+    auth_key: bytes | str | None = None
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    listen_port: int = 0
+    num_worker_threads: int = 8
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 6.0
+    init_timeout: float = 60.0
+    shutdown_timeout: float = 30.0
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    ssl_context: ssl.SSLContext | None = field(default=None, repr=False)
+    autograd_mode: str = "fast"
+    trace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
+        if self.num_worker_threads < 1:
+            raise ValueError("num_worker_threads must be >= 1")
+        if self.autograd_mode not in ("fast", "smart"):
+            raise ValueError(f"autograd_mode must be 'fast' or 'smart', got {self.autograd_mode!r}")

@@ -1,0 +1,192 @@
+"""Rendezvous: how the workers of a group find each other.
+
+A tiny key-value store that speaks JSON lines, never pickle (it runs before any
+authentication). ``env://`` and ``tcp://HOST:PORT`` use a TCP store hosted by rank 0;
+``file:///path`` uses a shared file guarded by ``flock``. Workers publish their listening
+address under ``worker/<rank>`` and wait until every rank has published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import time
+import urllib.parse
+from typing import Any
+
+_MAX_LINE = 1 << 16
+
+
+class StoreServer:
+    """The TCP store hosted by rank 0."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, str] = {}
+        self._changed = asyncio.Event()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port, limit=_MAX_LINE)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                request = json.loads(line)
+                op, key = request["op"], str(request["key"])
+                if op == "set":
+                    self._data[key] = str(request["value"])
+                    self._changed.set()
+                    self._changed = asyncio.Event()
+                    reply: dict[str, Any] = {"ok": True}
+                elif op == "wait_prefix":
+                    count = int(request["count"])
+                    while len(items := self._items(key)) < count:
+                        await self._changed.wait()
+                    reply = {"items": items}
+                else:
+                    reply = {"error": f"unknown op {op!r}"}
+                writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+        except (ValueError, KeyError, TypeError, ConnectionError, asyncio.LimitOverrunError):
+            pass  # a malformed or vanished client: drop it, keep serving the others
+        finally:
+            writer.close()
+
+    def _items(self, prefix: str) -> dict[str, str]:
+        return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+
+
+class TcpStore:
+    """Client of :class:`StoreServer`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lock = asyncio.Lock()
+
+    async def connect(self, deadline: float) -> None:
+        delay = 0.01
+        while True:
+            try:
+                self._reader, self._writer = await asyncio.open_connection(
+                    self.host, self.port, limit=_MAX_LINE
+                )
+                return
+            except OSError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise TimeoutError(
+                        f"could not reach the rendezvous at {self.host}:{self.port}: {exc}"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _request(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self._reader is not None and self._writer is not None
+        async with self._lock:
+            self._writer.write(json.dumps(request).encode() + b"\n")
+            await self._writer.drain()
+            line = await self._reader.readline()
+        if not line:
+            raise ConnectionError("the rendezvous store closed the connection")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    async def set(self, key: str, value: str) -> None:
+        await self._request({"op": "set", "key": key, "value": value})
+
+    async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
+        reply = await self._request({"op": "wait_prefix", "key": prefix, "count": count})
+        items: dict[str, str] = reply["items"]
+        return items
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class FileStore:
+    """A store in a shared file: one JSON object per line, appended under ``flock``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    async def connect(self, deadline: float) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+
+    def _read(self) -> dict[str, str]:
+        data: dict[str, str] = {}
+        with contextlib.suppress(FileNotFoundError), open(self.path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    entry = json.loads(line)
+                    data[str(entry["key"])] = str(entry["value"])
+        return data
+
+    async def set(self, key: str, value: str) -> None:
+        with open(self.path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(json.dumps({"key": key, "value": value}) + "\n")
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+    async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
+        while True:
+            items = {k: v for k, v in self._read().items() if k.startswith(prefix)}
+            if len(items) >= count:
+                return items
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        pass
+
+
+Store = TcpStore | FileStore
+
+
+def parse_init_method(
+    init_method: str | None, rank: int | None, world_size: int | None
+) -> tuple[str, str, int, int, int]:
+    """Resolve ``init_method``/rank/world size into (scheme, host-or-path, port, rank, size)."""
+    method = init_method or "env://"
+    if rank is None:
+        rank = _env_int("RANK")
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in range for world_size {world_size}")
+    url = urllib.parse.urlparse(method)
+    if url.scheme == "env":
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return "tcp", host, _env_int("MASTER_PORT"), rank, world_size
+    if url.scheme == "tcp":
+        if not url.hostname or not url.port:
+            raise ValueError(f"init_method {method!r} needs tcp://HOST:PORT")
+        return "tcp", url.hostname, url.port, rank, world_size
+    if url.scheme == "file":
+        if not url.path:
+            raise ValueError(f"init_method {method!r} needs file:///path")
+        return "file", url.path, 0, rank, world_size
+    raise ValueError(f"unsupported init_method {method!r}: use env://, tcp://HOST:PORT or file:///path")
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(
+            f"{name} is not set: pass rank/world_size to init_rpc, or start the script "
+            "with `actorgrad launch` or torchrun"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None

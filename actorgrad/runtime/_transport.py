@@ -1,0 +1,165 @@
+"""The only code that touches sockets: one ``BufferedProtocol`` per peer connection.
+
+Received bytes go straight into the memory the sans-IO ``Connection`` hands out (for a
+large tensor, the tensor itself); decoded events are passed to the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .._errors import AuthenticationError, ProtocolError
+from ..wire import Connection, Established, Heartbeat, Message
+
+if TYPE_CHECKING:
+    from ._worker import Worker
+
+log = logging.getLogger("actorgrad.transport")
+
+
+class PeerProtocol(asyncio.BufferedProtocol):
+    """A connection to one peer; after the handshake it *is* the peer for the worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.conn: Connection = worker.new_connection()
+        self.transport: asyncio.Transport | None = None
+        self.name: str | None = None
+        self.rank: int | None = None
+        self.established: asyncio.Future[PeerProtocol] = worker.loop.create_future()
+        self.outstanding: set[int] = set()  # request ids we wait on from this peer
+        self.serving: dict[int, asyncio.Task[None]] = {}  # its requests we are running
+        self.last_received = self.last_sent = time.monotonic()
+        self.leaving = False  # peer announced shutdown: losing it is expected
+        self.lost_reason: str | None = None
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+
+    # -- asyncio callbacks ----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=64 << 20)  # type: ignore[union-attr]
+        self._write(self.conn.data_to_send())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_received = time.monotonic()
+        self.conn.buffer_updated(nbytes)
+        try:
+            while (event := self.conn.next_event()) is not None:
+                if (out := self.conn.data_to_send()):
+                    self._write(out)
+                if isinstance(event, Established):
+                    self.worker.on_established(self, event)
+                elif not isinstance(event, Heartbeat):
+                    self.worker.on_message(self, event)
+            if (out := self.conn.data_to_send()):
+                self._write(out)
+        except (ProtocolError, AuthenticationError) as exc:
+            self.abort(exc)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = self.lost_reason or (f"connection lost: {exc}" if exc else "connection closed")
+        if not self.established.done():
+            self.established.set_exception(ConnectionError(reason))
+            self.established.exception()  # mark retrieved
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.worker.on_connection_lost(self, reason)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- used by the worker ---------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def send(self, msg: Message) -> None:
+        self._write(self.conn.send(msg))
+
+    def _write(self, pieces: list[bytes | bytearray | memoryview]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.last_sent = time.monotonic()
+        if len(pieces) == 1:
+            self.transport.write(pieces[0])
+        else:
+            self.transport.writelines(pieces)
+
+    async def drain(self) -> None:
+        if self._paused and self.is_open:
+            waiter: asyncio.Future[None] = self.worker.loop.create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+
+    def abort(self, exc: BaseException | str) -> None:
+        """Drop the connection because of ``exc`` (protocol violation, failed auth)."""
+        self.lost_reason = str(exc)
+        if isinstance(exc, AuthenticationError) and not self.established.done():
+            self.established.set_exception(exc)
+            self.established.exception()
+        log.warning("%s: dropping connection to %s: %s", self.worker.name, self.name or "peer", exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class LoopbackPeer:
+    """Stands in for a connection to the worker itself (``rpc_async`` to oneself).
+
+    Every message is encoded and decoded exactly as on a socket, so arguments are
+    copied and every layer above sees the same events as for a remote peer.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        from ..wire import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, decode_frame
+
+        self.worker = worker
+        self.name: str | None = worker.name
+        self.rank: int | None = worker.rank
+        self.outstanding: set[int] = set()
+        self.serving: dict[int, asyncio.Task[None]] = {}
+        self.leaving = False
+        self.last_received = self.last_sent = time.monotonic()
+        self._decoder = FrameDecoder(max_frame_size=DEFAULT_MAX_FRAME_SIZE)
+        self._decode = decode_frame
+
+    @property
+    def is_open(self) -> bool:
+        return not self.worker.closed
+
+    def send(self, msg: Message) -> None:
+        from ..wire._connection import _encode
+
+        for piece in _encode(msg):
+            self._decoder.receive_data(piece)
+        frame = self._decoder.next_frame()
+        assert frame is not None
+        decoded = self._decode(frame)
+        self.worker.loop.call_soon(self.worker.on_message, self, decoded)
+
+    def abort(self, exc: BaseException | str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,510 @@
+"""The worker: one per process (or several in one process for tests), on one event loop.
+
+It owns the listener, the peer connections, the table of outstanding requests, the
+handler registry that actors plug into, and the thread pool that runs blocking remote
+functions so the loop keeps serving heartbeats and other peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import gc
+import inspect
+import json
+import logging
+import os
+import socket
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .._errors import (
+    AuthenticationError,
+    ProtocolError,
+    RemoteError,
+    RpcTimeout,
+    WorkerLost,
+)
+from ..wire import Call, Cancel, Connection, Established, Failure, Goodbye, Heartbeat, Message
+from ..wire import Payload, Result, Tell
+from . import _current
+from ._options import RpcOptions, WorkerInfo
+from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
+from ._transport import LoopbackPeer, PeerProtocol
+
+log = logging.getLogger("actorgrad")
+
+Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
+PeerRef = str | int | WorkerInfo
+
+
+def error_payload(exc: BaseException) -> Payload:
+    """Describe ``exc`` for the caller: type, message, traceback, and the exception."""
+    kind = type(exc)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        return Payload.dump((name, str(exc), tb, exc))
+    except Exception:
+        return Payload.dump((name, str(exc), tb, None))
+
+
+class Worker:
+    """State of one worker of a group. Reach the current one with ``get_worker()``."""
+
+    def __init__(self, name: str, rank: int, world_size: int, options: RpcOptions) -> None:
+        if not name or len(name.encode()) > 256:
+            raise ValueError(f"worker name must be 1..256 bytes, got {name!r}")
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        key = options.auth_key
+        if key is None:
+            key = os.environ.get("ACTORGRAD_AUTH_KEY") or None
+        self.auth_key: bytes | None = key.encode() if isinstance(key, str) else (key or None)
+        self.loop = asyncio.get_running_loop()
+        self.infos: dict[int, WorkerInfo] = {}
+        self.peers: dict[int, PeerProtocol] = {}
+        self.closed = False
+        self.shutting_down = False
+        self._handlers: dict[str, Handler] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Payload], PeerProtocol]] = {}
+        self._next_request = 1
+        self._server: asyncio.Server | None = None
+        self._store: Store | None = None
+        self._store_server: StoreServer | None = None
+        self._connections: set[PeerProtocol] = set()
+        self._peer_waiters: dict[int, asyncio.Future[PeerProtocol]] = {}
+        self._done_from: set[int] = set()
+        self._done_changed = asyncio.Event()
+        self._lost_listeners: list[Callable[[str, int, str], None]] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            options.num_worker_threads, thread_name_prefix=f"actorgrad-{name}"
+        )
+        self._context = contextvars.copy_context()
+        self._context.run(_current.current_worker.set, self)
+        self._loopback = LoopbackPeer(self)
+        self.extensions: dict[str, Any] = {}  # actors of the layers above, by name
+        self.register("runtime.done", self._on_peer_done)
+        self.register("runtime.ping", lambda peer, payload: Payload.dump(None))
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.name, self.rank)
+
+    def resolve(self, to: PeerRef) -> WorkerInfo:
+        """The :class:`WorkerInfo` for a name, rank or WorkerInfo of this group."""
+        if isinstance(to, WorkerInfo):
+            to = to.id
+        if isinstance(to, bool) or not isinstance(to, (int, str)):
+            raise TypeError(f"expected a worker name, rank or WorkerInfo, got {to!r}")
+        if isinstance(to, int):
+            info = self.infos.get(to)
+            if info is None:
+                raise ValueError(f"no worker with rank {to} (world size {self.world_size})")
+            return info
+        for info in self.infos.values():
+            if info.name == to:
+                return info
+        known = ", ".join(sorted(i.name for i in self.infos.values()))
+        raise ValueError(f"unknown worker name {to!r}; the group has: {known}")
+
+    # -- start-up -------------------------------------------------------------------
+    async def start(self, init_method: str | None) -> None:
+        """Listen, rendezvous with every rank, connect to every peer, wait for all."""
+        opts = self.options
+        deadline = time.monotonic() + opts.init_timeout
+        scheme, host, port, _, _ = parse_init_method(init_method, self.rank, self.world_size)
+        self._server = await self.loop.create_server(
+            lambda: self._accept(),
+            opts.listen_host,
+            opts.listen_port,
+            ssl=opts.ssl_context,
+            reuse_address=True,
+            backlog=1024,
+        )
+        listen_port = self._server.sockets[0].getsockname()[1]
+        advertise = opts.advertise_host or opts.listen_host
+        if advertise in ("0.0.0.0", "::", ""):
+            advertise = host if scheme == "tcp" else socket.gethostname()
+        try:
+            if scheme == "tcp":
+                if self.rank == 0:
+                    self._store_server = StoreServer()
+                    try:
+                        await self._store_server.start(host, port)
+                    except OSError as exc:
+                        raise RuntimeError(
+                            f"rank 0 cannot host the rendezvous on {host}:{port}: {exc}"
+                        ) from exc
+                self._store = TcpStore(host, port)
+            else:
+                self._store = FileStore(host)
+            await self._store.connect(deadline)
+            me = {"name": self.name, "host": advertise, "port": listen_port}
+            await self._store.set(f"worker/{self.rank}", json.dumps(me))
+            entries = await self._until(deadline, self._store.wait_prefix("worker/", self.world_size), "all workers to join the rendezvous")
+            addresses: dict[int, tuple[str, int]] = {}
+            for key, value in entries.items():
+                entry = json.loads(value)
+                rank = int(key.split("/", 1)[1])
+                self.infos[rank] = WorkerInfo(entry["name"], rank)
+                addresses[rank] = (entry["host"], int(entry["port"]))
+            names = [i.name for i in self.infos.values()]
+            if len(set(names)) != len(names):
+                raise ValueError(f"worker names must be unique, got {sorted(names)}")
+            # Lower ranks accept, higher ranks connect: exactly one connection per pair.
+            for rank in self.infos:
+                if rank != self.rank:
+                    self._peer_waiters[rank] = self.loop.create_future()
+            connects = [self._connect(addresses[r], r) for r in self.infos if r < self.rank]
+            await self._until(deadline, asyncio.gather(*connects), "connections to lower ranks")
+            await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect")
+            await self._store.set(f"ready/{self.rank}", "1")
+            await self._until(deadline, self._store.wait_prefix("ready/", self.world_size), "every worker to be ready")
+        except BaseException:
+            await self._close_everything()
+            raise
+        if isinstance(self._store, FileStore):
+            await self._store.set(f"left/{self.rank}", "1")
+        self._heartbeat_task = self.loop.create_task(self._heartbeats(), context=self._context.copy())
+        _current.register(self)
+
+    async def _until(self, deadline: float, aw: Awaitable[Any], what: str) -> Any:
+        try:
+            return await asyncio.wait_for(aw, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.name}: timed out after {self.options.init_timeout}s waiting for {what}"
+            ) from None
+
+    async def _connect(self, address: tuple[str, int], rank: int) -> None:
+        delay = 0.01
+        while True:
+            try:
+                _, proto = await self.loop.create_connection(
+                    lambda: self._accept(), address[0], address[1], ssl=self.options.ssl_context,
+                    server_hostname=address[0] if self.options.ssl_context else None,
+                )
+                break
+            except (ConnectionRefusedError, ConnectionResetError):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+        await proto.established
+
+    def _accept(self) -> PeerProtocol:
+        proto = PeerProtocol(self)
+        self._connections.add(proto)
+        # An unauthenticated connection gets a bounded time to finish the handshake.
+        self.loop.call_later(self.options.init_timeout, self._handshake_deadline, proto)
+        return proto
+
+    def _handshake_deadline(self, proto: PeerProtocol) -> None:
+        if not proto.established.done():
+            proto.abort(ProtocolError("handshake not completed in time"))
+
+    def new_connection(self) -> Connection:
+        return Connection(
+            name=self.name, rank=self.rank, auth_key=self.auth_key,
+            max_frame_size=self.options.max_frame_size,
+        )
+
+    def on_established(self, proto: PeerProtocol, event: Established) -> None:
+        rank, name = event.peer_rank, event.peer_name
+        expected = self.infos.get(rank)
+        waiter = self._peer_waiters.get(rank)
+        if (expected is not None and expected.name != name) or waiter is None or rank in self.peers:
+            proto.abort(ProtocolError(f"unexpected peer {name!r} (rank {rank})"))
+            return
+        proto.name, proto.rank = name, rank
+        self.peers[rank] = proto
+        proto.established.set_result(proto)
+        if not waiter.done():
+            waiter.set_result(proto)
+
+    # -- messages -------------------------------------------------------------------
+    def register(self, target: str, handler: Handler) -> None:
+        """Route messages for ``target`` to ``handler(peer, payload)``.
+
+        The handler runs synchronously on the loop when the message arrives (so its
+        effects are ordered like the messages); it may return a Payload (the reply), an
+        awaitable of one (run as a task), or None (for tells).
+        """
+        self._handlers[target] = handler
+
+    def on_message(self, peer: PeerProtocol, msg: Message) -> None:
+        token = _current.current_worker.set(self)
+        try:
+            if isinstance(msg, Call):
+                self._serve_call(peer, msg)
+            elif isinstance(msg, Result):
+                entry = self._pending.pop(msg.request_id, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(msg.payload)
+            elif isinstance(msg, Failure):
+                entry = self._pending.pop(msg.request_id, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_exception(self._remote_error(peer, msg.payload))
+            elif isinstance(msg, Tell):
+                self._serve_tell(peer, msg)
+            elif isinstance(msg, Cancel):
+                task = peer.serving.pop(msg.request_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(msg, Goodbye):
+                peer.leaving = True
+        finally:
+            _current.current_worker.reset(token)
+
+    def _serve_call(self, peer: PeerProtocol, msg: Call) -> None:
+        handler = self._handlers.get(msg.target)
+        try:
+            if handler is None:
+                raise ProtocolError(f"{self.name} has no handler for {msg.target!r}")
+            reply = handler(peer, msg.payload)
+        except Exception as exc:
+            peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
+            return
+        if isinstance(reply, Payload):
+            peer.send(Result(request_id=msg.request_id, payload=reply))
+        elif reply is not None:
+            task = self.loop.create_task(
+                self._finish_call(peer, msg.request_id, reply), context=self._context.copy()
+            )
+            peer.serving[msg.request_id] = task
+
+    async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload]) -> None:
+        try:
+            result = await reply
+            response: Message = Result(request_id=request_id, payload=result)
+        except asyncio.CancelledError:
+            if peer.serving.pop(request_id, None) is not None and not self.closed:
+                raise  # cancelled by us (shutdown): nothing to answer
+            return  # cancelled by the caller: it no longer waits
+        except Exception as exc:
+            response = Failure(request_id=request_id, payload=error_payload(exc))
+        peer.serving.pop(request_id, None)
+        peer.send(response)
+
+    def _serve_tell(self, peer: PeerProtocol, msg: Tell) -> None:
+        handler = self._handlers.get(msg.target)
+        if handler is None:
+            log.warning("%s: no handler for message %r from %s", self.name, msg.target, peer.name)
+            return
+        try:
+            result = handler(peer, msg.payload)
+        except Exception:
+            log.exception("%s: handler %r failed", self.name, msg.target)
+            return
+        if inspect.isawaitable(result):
+            self.spawn(result)
+
+    def spawn(self, aw: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run ``aw`` as a task in this worker's context; log its failure."""
+        async def runner() -> Any:
+            try:
+                return await aw
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: background task failed", self.name)
+        return self.loop.create_task(runner(), context=self._context.copy())
+
+    def _remote_error(self, peer: PeerProtocol, payload: Payload) -> BaseException:
+        try:
+            type_name, message, tb, exc = payload.load()
+        except Exception as load_exc:
+            return RemoteError(peer.name or "?", "UndecodableError", f"could not decode the error: {load_exc}")
+        error = RemoteError(peer.name or "?", type_name, message, tb)
+        if isinstance(exc, BaseException):
+            error.__cause__ = exc
+        return error
+
+    def peer(self, to: PeerRef) -> PeerProtocol:
+        """The open connection to ``to``; raises WorkerLost when it is gone."""
+        info = self.resolve(to)
+        if info.id == self.rank:
+            return self._loopback  # type: ignore[return-value]
+        proto = self.peers.get(info.id)
+        if proto is None or not proto.is_open:
+            raise WorkerLost(info.name, "no open connection (the worker is gone)")
+        return proto
+
+    def call(self, to: PeerRef, target: str, payload: Payload, timeout: float | None = None) -> asyncio.Future[Payload]:
+        """Send a request now; the future resolves with the reply payload.
+
+        Fails with RpcTimeout after ``timeout`` (default ``rpc_timeout``; 0: none), with
+        WorkerLost when the peer goes away, with RemoteError when the handler raised.
+        """
+        if self.closed:
+            raise RuntimeError(f"{self.name} is shut down")
+        peer = self.peer(to)
+        request_id = self._next_request
+        self._next_request += 1
+        future: asyncio.Future[Payload] = self.loop.create_future()
+        self._pending[request_id] = (future, peer)
+        peer.outstanding.add(request_id)
+        limit = self.options.rpc_timeout if timeout is None else timeout
+        timer = self.loop.call_later(limit, self._expire, request_id, limit) if limit > 0 else None
+
+        def done(fut: asyncio.Future[Payload]) -> None:
+            if timer is not None:
+                timer.cancel()
+            peer.outstanding.discard(request_id)
+            if self._pending.pop(request_id, None) is not None and fut.cancelled():
+                with contextlib.suppress(Exception):
+                    peer.send(Cancel(request_id=request_id))
+
+        future.add_done_callback(done)
+        peer.send(Call(request_id=request_id, target=target, payload=payload))
+        return future
+
+    def _expire(self, request_id: int, limit: float) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return
+        future, peer = entry
+        if not future.done():
+            future.set_exception(RpcTimeout(f"call to {peer.name} timed out after {limit}s"))
+        with contextlib.suppress(Exception):
+            peer.send(Cancel(request_id=request_id))
+
+    def tell(self, to: PeerRef, target: str, payload: Payload) -> None:
+        """Send a one-way message; raises WorkerLost when the peer is gone."""
+        self.peer(to).send(Tell(target=target, payload=payload))
+
+    # -- execution of user code -----------------------------------------------------
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the worker's thread pool, in the caller's context."""
+        ctx = contextvars.copy_context()
+        return await self.loop.run_in_executor(self._executor, ctx.run, fn, *args)
+
+    # -- failures -------------------------------------------------------------------
+    def add_lost_listener(self, listener: Callable[[str, int, str], None]) -> None:
+        """Call ``listener(name, rank, reason)`` when a peer is lost."""
+        self._lost_listeners.append(listener)
+
+    def on_connection_lost(self, proto: PeerProtocol, reason: str) -> None:
+        self._connections.discard(proto)
+        if proto.rank is None or self.peers.get(proto.rank) is not proto:
+            return
+        del self.peers[proto.rank]
+        name = proto.name or f"rank {proto.rank}"
+        if proto.leaving or self.shutting_down:
+            reason = f"{reason} (worker shut down)"
+        error = WorkerLost(name, reason)
+        for request_id in list(proto.outstanding):
+            entry = self._pending.pop(request_id, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(error)
+        proto.outstanding.clear()
+        for task in proto.serving.values():
+            task.cancel()
+        proto.serving.clear()
+        self._done_changed.set()
+        if not (proto.leaving or self.shutting_down):
+            log.warning("%s: lost worker %s: %s", self.name, name, reason)
+        for listener in list(self._lost_listeners):
+            try:
+                listener(name, proto.rank, reason)
+            except Exception:
+                log.exception("%s: lost-worker listener failed", self.name)
+
+    async def _heartbeats(self) -> None:
+        interval = self.options.heartbeat_interval
+        last = time.monotonic()
+        while not self.closed:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            stalled_here = now - last > 2 * interval  # our own loop was blocked
+            last = now
+            for peer in list(self.peers.values()):
+                if now - peer.last_sent >= interval:
+                    with contextlib.suppress(Exception):
+                        peer.send(Heartbeat())
+                silent = now - peer.last_received
+                if stalled_here:
+                    peer.last_received = now
+                elif peer.outstanding and silent > self.options.heartbeat_timeout:
+                    peer.abort(f"no message for {silent:.1f}s (heartbeat timeout)")
+
+    # -- shutdown -------------------------------------------------------------------
+    def _on_peer_done(self, peer: PeerProtocol, payload: Payload) -> None:
+        if peer.rank is not None:
+            self._done_from.add(peer.rank)
+        self._done_changed.set()
+
+    async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """Stop this worker. Graceful: wait until no worker has outstanding work first."""
+        if self.closed:
+            return
+        self.shutting_down = True
+        limit = self.options.shutdown_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        if graceful:
+            gc.collect()  # dropped RRefs announce themselves before we leave
+            await asyncio.sleep(0)
+            while self._pending and time.monotonic() < deadline:
+                futures = [f for f, _ in self._pending.values()]
+                await asyncio.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+            for peer in list(self.peers.values()):
+                with contextlib.suppress(Exception):
+                    peer.send(Tell(target="runtime.done", payload=Payload.dump(None)))
+            while time.monotonic() < deadline:
+                waiting = [r for r in self.peers if r not in self._done_from]
+                if not waiting:
+                    break
+                self._done_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._done_changed.wait(), max(0.0, deadline - time.monotonic()))
+            else:
+                missing = [self.infos[r].name for r in self.peers if r not in self._done_from]
+                if missing:
+                    log.warning("%s: shutdown did not hear from %s in %.1fs; closing anyway",
+                                self.name, ", ".join(missing), limit)
+        await self._close_everything()
+
+    async def _close_everything(self) -> None:
+        self.closed = True
+        _current.unregister(self)
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        for request_id, (future, peer) in list(self._pending.items()):
+            if not future.done():
+                future.set_exception(WorkerLost(peer.name or "?", f"{self.name} shut down"))
+        self._pending.clear()
+        for proto in list(self._connections) + list(self.peers.values()):
+            for task in proto.serving.values():
+                task.cancel()
+            if proto.is_open:
+                with contextlib.suppress(Exception):
+                    proto.send(Goodbye(reason="shutdown"))
+                proto.close()
+        if self._server is not None:
+            self._server.close()
+        if self._store is not None:
+            await self._store.close()
+        if self._store_server is not None:
+            await self._store_server.close()
+        if isinstance(self._store, FileStore) and self.rank == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(self._store.path)
+        await asyncio.sleep(0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for name, ext in list(self.extensions.items()):
+            closer = getattr(ext, "close", None)
+            if closer is not None:
+                try:
+                    closer()
+                except Exception:
+                    log.exception("%s: closing %s failed", self.name, name)
+
+
+__all__ = ["AuthenticationError", "Worker", "error_payload"]

@@ -1,0 +1,268 @@
+"""Per-peer protocol state: handshake, authentication, message encode/decode (sans-IO).
+
+# Rules / theory of operation
+    state        frame received            action
+    HANDSHAKE    Hello                     remember peer; queue our Auth proof
+    HANDSHAKE    Auth (after Hello)        verify proof of the key over *our* nonce;
+                                           both Hello and Auth seen -> ESTABLISHED
+    HANDSHAKE    anything else             ProtocolError (data before handshake)
+    ESTABLISHED  data / heartbeat / cancel event for the layer above
+    ESTABLISHED  Goodbye                   CLOSED
+    any          malformed bytes           ERROR, ProtocolError raised; never reused
+
+Both sides send Hello first, so authentication is mutual: each side proves it holds
+the key over the other side's fresh nonce (HMAC-SHA256, as multiprocessing.connection
+does). No data frame is decoded before the handshake completes, so an unauthenticated
+peer can never make us unpickle anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import os
+import struct
+
+from .._errors import AuthenticationError, ProtocolError
+from ._codec import Payload
+from ._frames import (
+    DEFAULT_MAX_BUFFERS,
+    DEFAULT_MAX_FRAME_SIZE,
+    Frame,
+    FrameDecoder,
+    encode_frame,
+)
+from ._messages import (
+    CONTROL_KINDS,
+    MAX_NAME_BYTES,
+    NONCE_BYTES,
+    Auth,
+    Call,
+    Cancel,
+    Failure,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Kind,
+    Message,
+    Result,
+    Tell,
+)
+
+_HELLO = struct.Struct(f"<{NONCE_BYTES}sI")
+_TARGET_LEN = struct.Struct("<H")
+_AUTH_DOMAIN = b"actorgrad-auth-v1:"
+_HANDSHAKE_MAX_BODY = 4096
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    ESTABLISHED = "established"
+    CLOSED = "closed"
+    ERROR = "error"
+
+
+class Established:
+    """Event: the handshake completed; ``peer_name``/``peer_rank`` are authenticated."""
+
+    __slots__ = ("peer_name", "peer_rank")
+
+    def __init__(self, peer_name: str, peer_rank: int) -> None:
+        self.peer_name = peer_name
+        self.peer_rank = peer_rank
+
+
+def _proof(key: bytes, nonce: bytes, prover: str) -> bytes:
+    return hmac.new(key, _AUTH_DOMAIN + nonce + prover.encode(), "sha256").digest()
+
+
+def _encode(msg: Message) -> list[bytes | bytearray | memoryview]:
+    match msg:
+        case Hello(name=name, rank=rank, nonce=nonce):
+            return encode_frame(Kind.HELLO, 0, _HELLO.pack(nonce, rank) + name.encode())
+        case Auth(digest=digest):
+            return encode_frame(Kind.AUTH, 0, digest)
+        case Heartbeat():
+            return encode_frame(Kind.HEARTBEAT, 0, b"")
+        case Goodbye(reason=reason):
+            return encode_frame(Kind.GOODBYE, 0, reason.encode()[:1024])
+        case Cancel(request_id=rid):
+            return encode_frame(Kind.CANCEL, rid, b"")
+        case Call(request_id=rid, target=target, payload=p):
+            head = _TARGET_LEN.pack(len(target)) + target.encode()
+            return encode_frame(Kind.CALL, rid, head + p.body, p.buffers)
+        case Tell(target=target, payload=p):
+            head = _TARGET_LEN.pack(len(target)) + target.encode()
+            return encode_frame(Kind.TELL, 0, head + p.body, p.buffers)
+        case Result(request_id=rid, payload=p):
+            return encode_frame(Kind.RESULT, rid, p.body, p.buffers)
+        case Failure(request_id=rid, payload=p):
+            return encode_frame(Kind.FAILURE, rid, p.body, p.buffers)
+    raise TypeError(f"not a wire message: {msg!r}")
+
+
+def _split_target(body: bytearray) -> tuple[str, memoryview]:
+    if len(body) < _TARGET_LEN.size:
+        raise ProtocolError("data frame too short for its target name")
+    (n,) = _TARGET_LEN.unpack_from(body)
+    end = _TARGET_LEN.size + n
+    if n == 0 or n > MAX_NAME_BYTES or len(body) < end:
+        raise ProtocolError(f"bad target name length {n}")
+    try:
+        target = bytes(body[_TARGET_LEN.size : end]).decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("target name is not UTF-8") from exc
+    return target, memoryview(body)[end:]
+
+
+def decode_frame(frame: Frame) -> Message:
+    """Turn a frame into a message; pickled payloads stay undecoded."""
+    kind = frame.kind
+    if kind in CONTROL_KINDS and (frame.buffers or len(frame.body) > _HANDSHAKE_MAX_BODY):
+        raise ProtocolError(f"control frame {Kind(kind).name} too large")
+    if kind == Kind.HELLO:
+        if len(frame.body) <= _HELLO.size:
+            raise ProtocolError("truncated HELLO")
+        nonce, rank = _HELLO.unpack_from(frame.body)
+        try:
+            return Hello(name=bytes(frame.body[_HELLO.size :]).decode(), rank=rank, nonce=nonce)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ProtocolError(f"bad HELLO: {exc}") from exc
+    if kind == Kind.AUTH:
+        return Auth(digest=bytes(frame.body))
+    if kind == Kind.HEARTBEAT:
+        return Heartbeat()
+    if kind == Kind.GOODBYE:
+        return Goodbye(reason=bytes(frame.body).decode(errors="replace"))
+    if kind == Kind.CANCEL:
+        return Cancel(request_id=frame.request_id)
+    if kind == Kind.CALL:
+        target, body = _split_target(frame.body)
+        return Call(request_id=frame.request_id, target=target, payload=Payload(body, frame.buffers))
+    if kind == Kind.TELL:
+        target, body = _split_target(frame.body)
+        return Tell(target=target, payload=Payload(body, frame.buffers))
+    if kind == Kind.RESULT:
+        return Result(request_id=frame.request_id, payload=Payload(frame.body, frame.buffers))
+    if kind == Kind.FAILURE:
+        return Failure(request_id=frame.request_id, payload=Payload(frame.body, frame.buffers))
+    raise ProtocolError(f"unknown message kind {kind}")
+
+
+class Connection:
+    """The protocol state of one connection to one peer, without any I/O.
+
+    Feed received bytes with ``receive_data`` (or ``get_buffer``/``buffer_updated``),
+    drain ``next_event()`` until it returns None, and write out ``data_to_send()``
+    after every call that may have queued frames (the handshake queues its own).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        rank: int,
+        auth_key: bytes | None = None,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_buffers: int = DEFAULT_MAX_BUFFERS,
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.auth_key = auth_key
+        self.state = State.HANDSHAKE
+        self.peer_name: str | None = None
+        self.peer_rank: int | None = None
+        self._nonce = os.urandom(NONCE_BYTES)
+        self._peer_authenticated = False
+        self._decoder = FrameDecoder(
+            max_frame_size=max_frame_size,
+            max_buffers=max_buffers,
+            known_kinds=frozenset(int(k) for k in Kind),
+        )
+        self._outbox: list[bytes | bytearray | memoryview] = _encode(
+            Hello(name=name, rank=rank, nonce=self._nonce)
+        )
+
+    # -- input -------------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._decoder.buffer_updated(nbytes)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        self._decoder.receive_data(data)
+
+    @property
+    def in_frame(self) -> bool:
+        return self._decoder.in_frame
+
+    def next_event(self) -> Message | Established | None:
+        """The next event, or None when more bytes are needed.
+
+        Raises:
+            ProtocolError: malformed input; the connection is in ERROR from then on.
+            AuthenticationError: the peer failed to prove the shared key.
+        """
+        if self.state in (State.ERROR, State.CLOSED):
+            return None
+        try:
+            while True:
+                frame = self._decoder.next_frame()
+                if frame is None:
+                    return None
+                msg = decode_frame(frame)
+                if self.state is State.HANDSHAKE:
+                    event = self._handshake(msg)
+                    if event is not None:
+                        return event
+                    continue
+                if isinstance(msg, (Hello, Auth)):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} after handshake")
+                if isinstance(msg, Goodbye):
+                    self.state = State.CLOSED
+                return msg
+        except (ProtocolError, AuthenticationError):
+            self.state = State.ERROR
+            raise
+
+    def _handshake(self, msg: Message) -> Established | None:
+        if isinstance(msg, Hello):
+            if self.peer_name is not None:
+                raise ProtocolError("second HELLO during handshake")
+            self.peer_name, self.peer_rank = msg.name, msg.rank
+            digest = _proof(self.auth_key, msg.nonce, self.name) if self.auth_key else b""
+            self._outbox.extend(_encode(Auth(digest=digest)))
+            return None
+        if isinstance(msg, Auth):
+            if self.peer_name is None:
+                raise ProtocolError("AUTH before HELLO")
+            if self.auth_key is None:
+                if msg.digest:
+                    raise AuthenticationError(
+                        f"peer {self.peer_name!r} uses an auth_key but this worker has none"
+                    )
+            elif not msg.digest:
+                raise AuthenticationError(
+                    f"peer {self.peer_name!r} sent no proof of the auth_key this worker requires"
+                )
+            elif not hmac.compare_digest(msg.digest, _proof(self.auth_key, self._nonce, self.peer_name)):
+                raise AuthenticationError(f"peer {self.peer_name!r} has a different auth_key")
+            self.state = State.ESTABLISHED
+            assert self.peer_rank is not None
+            return Established(self.peer_name, self.peer_rank)
+        if isinstance(msg, Goodbye):
+            raise AuthenticationError(f"peer closed the handshake: {msg.reason}")
+        raise ProtocolError(f"{type(msg).__name__} before the handshake completed")
+
+    # -- output ------------------------------------------------------------------
+    def send(self, msg: Message) -> list[bytes | bytearray | memoryview]:
+        """The bytes of ``msg``; data messages only once ESTABLISHED."""
+        if self.state is not State.ESTABLISHED and not isinstance(msg, Goodbye):
+            raise ProtocolError(f"cannot send {type(msg).__name__} in state {self.state.value}")
+        return _encode(msg)
+
+    def data_to_send(self) -> list[bytes | bytearray | memoryview]:
+        """Frames the protocol queued itself (handshake)."""
+        out, self._outbox = self._outbox, []
+        return out

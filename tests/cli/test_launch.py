@@ -1,0 +1,256 @@
+"""End-to-end tests for ``actorgrad launch`` (run as ``python -m actorgrad``)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+SCRIPTS = Path(__file__).parent / "scripts"
+
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """Environment for the launcher: repo root on PYTHONPATH, no inherited auth key."""
+    env = dict(os.environ)
+    env.pop("ACTORGRAD_AUTH_KEY", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    )
+    env.update(extra)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (PID 1 may not reap orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _read_pids(pid_dir: Path) -> list[int]:
+    """All PIDs recorded by ``sleeper.py`` in ``pid_dir``."""
+    return [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+
+
+def _wait_for_pid_files(pid_dir: Path, names: list[str], timeout: float = 10.0) -> None:
+    """Wait until every ``name`` exists in ``pid_dir``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((pid_dir / n).exists() for n in names):
+            return
+        time.sleep(0.02)
+    pytest.fail(f"PID files {names} not all written within {timeout}s")
+
+
+def _assert_all_dead(pids: list[int], timeout: float = 2.0) -> None:
+    """Assert that none of ``pids`` is alive, allowing ``timeout`` s for reaping."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not alive, f"processes still alive after launcher exit: {alive}"
+
+
+@contextlib.contextmanager
+def _launcher(
+    args: list[str], pid_dir: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """Start ``python -m actorgrad <args>``; always kill it and recorded PIDs afterwards."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actorgrad", *args],
+        cwd=ROOT,
+        env=env if env is not None else _env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(Exception):
+            proc.communicate(timeout=10)
+        if pid_dir is not None:
+            for pid in _read_pids(pid_dir):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _run(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 20.0
+) -> tuple[int, str, str]:
+    """Run the launcher to completion; return (returncode, stdout, stderr)."""
+    with _launcher(args, env=env) as proc:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+
+
+def _env_reports(stdout: str) -> dict[int, dict[str, object]]:
+    """Parse the ``[rank N] ENV {...}`` lines printed by ``report_env.py``."""
+    reports: dict[int, dict[str, object]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("[rank ") and "] ENV " in line:
+            prefix, payload = line.split("] ENV ", 1)
+            reports[int(prefix[len("[rank ") :])] = json.loads(payload)
+    return reports
+
+
+def test_three_ranks_get_distinct_ranks_and_shared_port_and_key() -> None:
+    code, out, err = _run(["launch", "--nproc", "3", str(SCRIPTS / "report_env.py")])
+    assert code == 0, err
+    for r in range(3):
+        assert f"[rank {r}] ENV " in out
+    reports = _env_reports(out)
+    assert sorted(reports) == [0, 1, 2]
+    for r, rep in reports.items():
+        assert rep["rank"] == str(r)
+        assert rep["local_rank"] == str(r)
+        assert rep["world_size"] == "3"
+        assert rep["local_world_size"] == "3"
+        assert rep["master_addr"] == "127.0.0.1"
+        assert rep["unbuffered"] == "1"
+        assert rep["auth_key_set"] is True
+        assert rep["auth_key_len"] == 64  # secrets.token_hex(32)
+    ports = {rep["master_port"] for rep in reports.values()}
+    assert len(ports) == 1
+    port = ports.pop()
+    assert isinstance(port, str) and 1 <= int(port) <= 65535
+    assert len({rep["auth_key_sha256"] for rep in reports.values()}) == 1
+
+
+def test_existing_auth_key_and_explicit_port_pass_through() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out, err = _run(
+        ["launch", "--nproc", "2", "--master-port", str(port), str(SCRIPTS / "report_env.py")],
+        env=_env(ACTORGRAD_AUTH_KEY="not-so-secret"),
+    )
+    assert code == 0, err
+    reports = _env_reports(out)
+    assert sorted(reports) == [0, 1]
+    expected = hashlib.sha256(b"not-so-secret").hexdigest()
+    for rep in reports.values():
+        assert rep["auth_key_sha256"] == expected
+        assert rep["master_port"] == str(port)
+
+
+def test_failing_rank_stops_all_ranks(tmp_path: Path) -> None:
+    args = [
+        "launch",
+        "--nproc",
+        "3",
+        str(SCRIPTS / "sleeper.py"),
+        str(tmp_path),
+        "--fail-rank",
+        "1",
+        "--fail-code",
+        "3",
+        "--spawn-child-rank",
+        "0",
+    ]
+    start = time.monotonic()
+    with _launcher(args, pid_dir=tmp_path) as proc:
+        out, err = proc.communicate(timeout=10)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 3, (out, err)
+        assert elapsed < 10
+        assert "rank 1 exited with code 3" in err
+        assert "[rank 1] rank 1 failing with code 3" in err
+        pids = _read_pids(tmp_path)
+        assert len(pids) == 4  # 3 ranks + rank 0's grandchild
+        _assert_all_dead(pids)
+
+
+def test_script_args_pass_through() -> None:
+    extra = ["--foo", "bar", "--nproc", "7", "-h", "--", "baz"]
+    code, out, err = _run(["launch", "--nproc", "2", str(SCRIPTS / "echo_argv.py"), *extra])
+    assert code == 0, err
+    for r in range(2):
+        assert f"[rank {r}] ARGV {json.dumps(extra)}" in out.splitlines()
+        assert f"[rank {r}] to-stderr" in err.splitlines()
+
+
+def test_missing_script_exits_2(tmp_path: Path) -> None:
+    missing = tmp_path / "does_not_exist.py"
+    code, out, err = _run(["launch", "--nproc", "2", str(missing)])
+    assert code == 2
+    assert f"actorgrad launch: script not found: {missing}" in err
+    assert "[rank" not in out + err
+
+
+def test_nproc_must_be_positive() -> None:
+    code, _out, err = _run(["launch", "--nproc", "0", str(SCRIPTS / "echo_argv.py")])
+    assert code == 2
+    assert "--nproc" in err
+
+
+def test_version() -> None:
+    code, out, _err = _run(["--version"])
+    assert code == 0
+    assert out.startswith("actorgrad ")
+
+
+def test_sigint_stops_all_ranks(tmp_path: Path) -> None:
+    # Rank 1 ignores SIGINT/SIGTERM, so it must be SIGKILLed after the grace period;
+    # rank 0 spawns a grandchild that must die with its process group.
+    args = [
+        "launch",
+        "--nproc",
+        "3",
+        str(SCRIPTS / "sleeper.py"),
+        str(tmp_path),
+        "--spawn-child-rank",
+        "0",
+        "--ignore-signals-rank",
+        "1",
+    ]
+    with _launcher(args, pid_dir=tmp_path) as proc:
+        _wait_for_pid_files(tmp_path, ["rank0.pid", "rank1.pid", "rank2.pid", "grandchild.pid"])
+        pids = _read_pids(tmp_path)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+        assert time.monotonic() - start < 10
+        assert proc.returncode == 130, (out, err)
+        assert "received SIGINT" in err
+        _assert_all_dead(pids)
+
+
+def test_master_port_in_use_exits_2() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, out, err = _run(
+            ["launch", "--nproc", "2", "--master-port", str(port), str(SCRIPTS / "echo_argv.py")]
+        )
+    assert code == 2
+    assert str(port) in err
+    assert "in use" in err
+    assert "[rank" not in out + err
