@@ -31,6 +31,17 @@ __version__ = "0.1.0"
 _worker_setup.append(_rpc.install_handlers)
 
 
+async def local_group(world_size: int = 2, options: RpcOptions | None = None) -> object:
+    """Start ``world_size - 1`` local worker processes and join this loop as ``worker0``.
+
+    For notebooks and interactive use: ``group = await ag.local_group(2)`` ... then
+    ``await group.shutdown()``.
+    """
+    from .testing import local_group as _local_group
+
+    return await _local_group(world_size, options)
+
+
 def rref_debug_info() -> dict[str, int]:
     """This worker's owner-side RRef table: ``num_owner_rrefs`` live values, ``num_forks``."""
     from .runtime import get_worker
@@ -55,6 +66,7 @@ __all__ = (
     "get_world_size",
     "get_worker_info",
     "init_rpc",
+    "local_group",
     "remote",
     "rpc_async",
     "rpc_sync",

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..wire import Payload
@@ -22,10 +25,32 @@ def _on_loop(worker: Worker) -> bool:
         return False
 
 
-async def run_user_function(worker: Worker, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+_INLINE_MAX_BYTES = 1 << 16
+
+
+def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor]) -> bool:
+    """Whether ``func`` may run on the loop thread itself.
+
+    Only C builtins (``torch.add``, ``operator.mul``, ``max``...) on small tensors: they
+    finish in microseconds, while a hop to the thread pool costs tens. Python functions
+    may block (sleep, I/O, long compute) and always go to the pool.
+    """
+    if not isinstance(func, _BUILTIN_TYPES):
+        return False
+    return sum(t.numel() * t.element_size() for t in tensors) <= _INLINE_MAX_BYTES
+
+
+_BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType)
+
+
+async def run_user_function(
+    worker: Worker, func: Callable[..., Any], args: Any, kwargs: Any, inline: bool = False
+) -> Any:
     """Run a remote function: coroutine functions on the loop, others in the thread pool."""
     if inspect.iscoroutinefunction(func):
         value = await func(*args, **kwargs)
+    elif inline:
+        value = func(*args, **kwargs)
     else:
         value = await worker.run_blocking(lambda: func(*args, **kwargs))
     if inspect.isawaitable(value):
@@ -56,8 +81,12 @@ def _serve_call(worker: Worker, peer: Any, payload: Payload) -> Any:
 
     async def run() -> Payload:
         with hooks.scope(worker, meta):
-            value = await run_user_function(worker, func, args, kwargs)
+            value = await run_user_function(worker, func, args, kwargs, inline)
             return dump_value(worker, value, peer.rank)
+
+    inline = runs_inline(func, payload.tensors)
+    if inline and meta is None:  # no autograd context: answer without a task
+        return dump_value(worker, func(*args, **kwargs), peer.rank)
 
     return run()
 

@@ -17,6 +17,14 @@ current_worker: contextvars.ContextVar[Worker | None] = contextvars.ContextVar(
     "actorgrad_worker", default=None
 )
 _live_workers: list[Worker] = []
+_default: list[Worker] = []  # the worker that code outside any worker context acts as
+
+
+def set_default(worker: Worker | None) -> None:
+    """Make ``worker`` the one that code outside every worker's context talks to."""
+    _default.clear()
+    if worker is not None:
+        _default.append(worker)
 
 
 def register(worker: Worker) -> None:
@@ -33,6 +41,8 @@ def get_worker() -> Worker:
     worker = current_worker.get()
     if worker is not None and not worker.closed:
         return worker
+    if _default and not _default[0].closed:
+        return _default[0]
     live = [w for w in _live_workers if not w.closed]
     if len(live) == 1:
         return live[0]

@@ -8,7 +8,6 @@ functions so the loop keeps serving heartbeats and other peers.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import contextvars
 import gc
@@ -33,6 +32,7 @@ from ..wire import Call, Cancel, Connection, Established, Failure, Goodbye, Hear
 from ..wire import Payload, Result, Tell
 from . import _current
 from ._options import RpcOptions, WorkerInfo
+from ._pool import ThreadPool
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
 from ._transport import LoopbackPeer, PeerProtocol
 
@@ -84,9 +84,7 @@ class Worker:
         self._done_changed = asyncio.Event()
         self._lost_listeners: list[Callable[[str, int, str], None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            options.num_worker_threads, thread_name_prefix=f"actorgrad-{name}"
-        )
+        self._pool = ThreadPool(self.loop, options.num_worker_threads, f"actorgrad-{name}")
         self._context = contextvars.copy_context()
         self._context.run(_current.current_worker.set, self)
         self._loopback = LoopbackPeer(self)
@@ -381,10 +379,9 @@ class Worker:
         self.peer(to).send(Tell(target=target, payload=payload))
 
     # -- execution of user code -----------------------------------------------------
-    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` in the worker's thread pool, in the caller's context."""
-        ctx = contextvars.copy_context()
-        return await self.loop.run_in_executor(self._executor, ctx.run, fn, *args)
+    def run_blocking(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``fn()`` in the worker's thread pool, in the caller's contextvars."""
+        return self._pool.submit(fn, contextvars.copy_context())
 
     # -- failures -------------------------------------------------------------------
     def add_lost_listener(self, listener: Callable[[str, int, str], None]) -> None:
@@ -497,7 +494,7 @@ class Worker:
             with contextlib.suppress(OSError):
                 os.unlink(self._store.path)
         await asyncio.sleep(0)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
         for name, ext in list(self.extensions.items()):
             closer = getattr(ext, "close", None)
             if closer is not None:

@@ -40,6 +40,7 @@ DEFAULT_MAX_BUFFERS = 4096
 _STAGING_BYTES = 256 << 10
 _DIRECT_MIN_BYTES = 64 << 10  # read larger remainders straight into tensor memory
 _HUGE_PAGE_MIN_BYTES = 4 << 20
+_JOIN_MAX_BYTES = 16 << 10
 
 
 def allocate_buffer(nbytes: int) -> torch.Tensor:
@@ -69,8 +70,10 @@ def encode_frame(
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, request_id, len(body), len(buffers))
     if buffers:
         header += b"".join(LENGTH.pack(b.nbytes) for b in buffers)
+        if len(body) + sum(b.nbytes for b in buffers) < _JOIN_MAX_BYTES:
+            return [b"".join([header, body, *buffers])]  # one write for small frames
         return [header, body, *buffers]
-    return [header + bytes(body)] if len(body) < 4096 else [header, body]
+    return [header + bytes(body)] if len(body) < _JOIN_MAX_BYTES else [header, body]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,160 @@
+"""Groups of workers for tests and notebooks.
+
+``start_in_process(n)`` runs ``n`` workers on the current event loop, talking over real
+loopback sockets: fast to start, and every message still crosses the wire format.
+``local_group(n)`` starts ``n - 1`` worker processes and joins the current loop as
+``worker0`` (notebooks, and tests that kill a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .._api import init_rpc
+from ..runtime import RpcOptions, Worker, _current
+
+T = TypeVar("T")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class InProcessGroup:
+    """``n`` workers on this event loop; the calling code acts as ``workers[0]``."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+
+    def run_as(self, rank: int, fn: Callable[..., Awaitable[T]], *args: Any) -> asyncio.Task[T]:
+        """Run ``fn(*args)`` as worker ``rank`` (in that worker's context)."""
+        worker = self.workers[rank]
+        ctx = worker._context.copy()
+        return worker.loop.create_task(_call(fn, args), context=ctx)
+
+    async def shutdown(self, graceful: bool = True) -> None:
+        await asyncio.gather(
+            *(self.run_as(w.rank, _shutdown_one, w, graceful) for w in self.workers if not w.closed),
+            return_exceptions=True,
+        )
+        _current.set_default(None)
+
+
+async def _call(fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+    return await fn(*args)
+
+
+async def _shutdown_one(worker: Worker, graceful: bool) -> None:
+    await worker.shutdown(graceful=graceful, timeout=10.0)
+
+
+async def start_in_process(world_size: int = 2, options: RpcOptions | None = None) -> InProcessGroup:
+    """Start ``world_size`` workers named ``worker0``.. on the running loop."""
+    port = free_port()
+    loop = asyncio.get_running_loop()
+    contexts = [contextvars.copy_context() for _ in range(world_size)]
+    tasks = [
+        loop.create_task(
+            init_rpc(f"worker{r}", rank=r, world_size=world_size,
+                     init_method=f"tcp://127.0.0.1:{port}", options=options or RpcOptions()),
+            context=contexts[r],
+        )
+        for r in range(world_size)
+    ]
+    await asyncio.gather(*tasks)
+    workers = [ctx.get(_current.current_worker) for ctx in contexts]
+    assert all(w is not None for w in workers)
+    group = InProcessGroup(workers)  # type: ignore[arg-type]
+    _current.set_default(group.workers[0])
+    _current.current_worker.set(group.workers[0])
+    return group
+
+
+class LocalGroup:
+    """This process as ``worker0`` plus ``n - 1`` worker processes on this machine."""
+
+    def __init__(self, processes: list[subprocess.Popen[bytes]], logdir: str) -> None:
+        self.processes = processes
+        self.logdir = logdir
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL worker ``rank`` (>= 1), as a crash would."""
+        proc = self.processes[rank - 1]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def logs(self, rank: int) -> str:
+        with contextlib.suppress(OSError), open(os.path.join(self.logdir, f"worker{rank}.log")) as f:
+            return f.read()
+        return ""
+
+    async def shutdown(self, graceful: bool = True, timeout: float = 20.0) -> None:
+        """Shut worker0 down (the others follow), then make sure every process ended."""
+        worker = _current.maybe_worker()
+        if worker is not None and not worker.closed:
+            await worker.shutdown(graceful=graceful, timeout=timeout)
+        _current.set_default(None)
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+async def local_group(
+    world_size: int = 2, options: RpcOptions | None = None, env: dict[str, str] | None = None
+) -> LocalGroup:
+    """Start ``world_size - 1`` worker processes and join the current loop as worker0.
+
+    The processes serve until worker0 shuts down (``await group.shutdown()``), and die
+    with it if it disappears.
+    """
+    port = free_port()
+    logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env.setdefault("ACTORGRAD_AUTH_KEY", os.urandom(16).hex())
+    os.environ.setdefault("ACTORGRAD_AUTH_KEY", child_env["ACTORGRAD_AUTH_KEY"])
+    child_env["PYTHONUNBUFFERED"] = "1"
+    processes = []
+    for rank in range(1, world_size):
+        log = open(os.path.join(logdir, f"worker{rank}.log"), "wb")  # noqa: SIM115
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "actorgrad.testing._serve", str(rank), str(world_size),
+             f"tcp://127.0.0.1:{port}", str(os.getpid())],
+            stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+        ))
+        log.close()
+    group = LocalGroup(processes, logdir)
+    try:
+        await init_rpc("worker0", rank=0, world_size=world_size,
+                       init_method=f"tcp://127.0.0.1:{port}", options=options)
+    except BaseException:
+        for proc in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+    _current.set_default(_current.current_worker.get())
+    return group
