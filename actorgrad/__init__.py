@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import autograd as autograd
 from . import rpc as _rpc
 from ._api import get_rank as get_rank
 from ._api import get_world_size as get_world_size
@@ -27,6 +28,7 @@ from .runtime import RpcOptions as RpcOptions
 from .runtime import WorkerInfo as WorkerInfo
 
 __version__ = "0.1.0"
+dist_backward = autograd.backward
 
 _worker_setup.append(_rpc.install_handlers)
 
@@ -62,6 +64,8 @@ __all__ = (
     "RpcTimeout",
     "WorkerInfo",
     "WorkerLost",
+    "autograd",
+    "dist_backward",
     "get_rank",
     "get_world_size",
     "get_worker_info",

@@ -89,10 +89,10 @@ def _encode(msg: Message) -> list[bytes | bytearray | memoryview]:
         case Cancel(request_id=rid):
             return encode_frame(Kind.CANCEL, rid, b"")
         case Call(request_id=rid, target=target, payload=p):
-            head = _TARGET_LEN.pack(len(target)) + target.encode()
+            head = _TARGET_LEN.pack(len(t := target.encode())) + t
             return encode_frame(Kind.CALL, rid, head + p.body, p.buffers)
         case Tell(target=target, payload=p):
-            head = _TARGET_LEN.pack(len(target)) + target.encode()
+            head = _TARGET_LEN.pack(len(t := target.encode())) + t
             return encode_frame(Kind.TELL, 0, head + p.body, p.buffers)
         case Result(request_id=rid, payload=p):
             return encode_frame(Kind.RESULT, rid, p.body, p.buffers)
@@ -230,6 +230,8 @@ class Connection:
         if isinstance(msg, Hello):
             if self.peer_name is not None:
                 raise ProtocolError("second HELLO during handshake")
+            if msg.name == self.name:
+                raise AuthenticationError(f"peer claims this worker's own name {msg.name!r} (reflected handshake?)")
             self.peer_name, self.peer_rank = msg.name, msg.rank
             digest = _proof(self.auth_key, msg.nonce, self.name) if self.auth_key else b""
             self._outbox.extend(_encode(Auth(digest=digest)))

@@ -1,0 +1,61 @@
+"""Distributed autograd: contexts, send/recv recording and the distributed backward."""
+
+from __future__ import annotations
+
+from .._api import worker_setup as _worker_setup
+from ..rpc import install_hooks as _install_hooks
+from ..runtime import Worker as _Worker
+from ._context import ContextActor as ContextActor
+from ._context import context as context
+from ._context import context_actor as _context_actor
+from ._context import current_context_id as current_context_id
+from ._context import debug_info as debug_info
+from ._context import get_gradients as get_gradients
+from ._engine import EngineActor as EngineActor
+from ._engine import backward as backward
+from ._messages import PropagateGrads as _PropagateGrads
+from ._messages import ReleaseContext as _ReleaseContext
+
+
+class _Hooks(ContextActor):
+    """Routes the RPC layer's hooks to the ContextActor of the worker at hand."""
+
+    def __init__(self) -> None:
+        pass
+
+    def before_send(self, worker, dst):  # type: ignore[no-untyped-def]
+        return _context_actor(worker).before_send(worker, dst)
+
+    def after_send(self, worker, meta, payload, dst):  # type: ignore[no-untyped-def]
+        if meta is not None:
+            _context_actor(worker).after_send(worker, meta, payload, dst)
+
+    def on_receive(self, worker, meta, payload, src):  # type: ignore[no-untyped-def]
+        if meta is not None:
+            _context_actor(worker).on_receive(worker, meta, payload, src)
+
+    def scope(self, worker, meta):  # type: ignore[no-untyped-def]
+        return _context_actor(worker).scope(worker, meta)
+
+
+def _setup(worker: _Worker) -> None:
+    contexts = ContextActor(worker)
+    engine = EngineActor(worker, contexts)
+    worker.extensions["autograd.context"] = contexts
+    worker.extensions["autograd.engine"] = engine
+    worker.register(_PropagateGrads.TARGET, engine.on_propagate)
+    worker.register(_ReleaseContext.TARGET, contexts.on_release)
+
+
+_install_hooks(_Hooks())
+_worker_setup.append(_setup)
+
+__all__ = (
+    "ContextActor",
+    "EngineActor",
+    "backward",
+    "context",
+    "current_context_id",
+    "debug_info",
+    "get_gradients",
+)

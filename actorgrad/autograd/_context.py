@@ -1,0 +1,229 @@
+"""ContextActor: distributed autograd contexts and the recording of send/recv pairs.
+
+# Theory of operation
+Inside ``async with autograd.context()``, every RPC payload carries
+``(context_id, message_id)``. The sender records a *send entry* (the tensors that require
+grad, where they went); the receiver re-creates those tensors as leaves and records a
+*recv entry* (the leaves, where they came from) under the same message id. Results
+travel back the same way with the roles swapped. In the backward pass a recv entry's
+leaf gradients are shipped to the peer, where the matching send entry feeds them into
+its local graph. Ids embed the rank of the worker that minted them, so they are unique
+in the group without coordination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import ContextError
+from ..rpc import CallHooks
+from ..runtime import Worker, get_worker
+from ..wire import Payload
+from ._messages import ReleaseContext
+
+_ID_BITS = 48
+
+current_context: contextvars.ContextVar[DistContext | None] = contextvars.ContextVar(
+    "actorgrad_autograd_context", default=None
+)
+
+
+@dataclass(slots=True, eq=False)
+class SendEntry:
+    """Tensors this worker sent to ``peer``; their gradients come back from it."""
+
+    tensors: list[torch.Tensor]
+    peer: int
+    fired: bool = False
+    leaves: list[torch.Tensor] | None = None  # reachable leaves, computed on first use
+
+
+@dataclass(slots=True, eq=False)
+class RecvEntry:
+    """Leaves this worker received from ``peer``; their gradients go back to it."""
+
+    leaves: list[torch.Tensor]
+    peer: int
+    fired: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class DistContext:
+    """One worker's share of a distributed autograd context."""
+
+    context_id: int
+    sends: dict[int, SendEntry] = field(default_factory=dict)
+    recvs: dict[int, RecvEntry] = field(default_factory=dict)
+    recv_of_leaf: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(leaf) -> (msg, i)
+    grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    peers: set[int] = field(default_factory=set)
+    running_backwards: int = 0
+    graph_freed: bool = False  # a backward without retain_graph ran here
+    released: bool = False
+
+    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        held = self.grads.get(tensor)
+        self.grads[tensor] = grad if held is None else held + grad
+
+    def describe(self, message_id: int) -> str:
+        if (send := self.sends.get(message_id)) is not None:
+            shapes = ", ".join(str(tuple(t.shape)) for t in send.tensors)
+            return f"tensors of shape {shapes} sent to rank {send.peer}"
+        if (recv := self.recvs.get(message_id)) is not None:
+            shapes = ", ".join(str(tuple(t.shape)) for t in recv.leaves)
+            return f"tensors of shape {shapes} received from rank {recv.peer}"
+        return "unknown"
+
+
+class ContextActor(CallHooks):
+    """Owns this worker's contexts; records send/recv pairs as the RPC hooks."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.contexts: dict[int, DistContext] = {}
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> int:
+        return (self.worker.rank << _ID_BITS) | next(self._ids)
+
+    def create(self) -> DistContext:
+        ctx = DistContext(self.new_id())
+        self.contexts[ctx.context_id] = ctx
+        return ctx
+
+    def get(self, context_id: int) -> DistContext:
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            raise ContextError(
+                f"autograd context {context_id} does not exist on {self.worker.name} "
+                "(never created here, or already released)"
+            )
+        return ctx
+
+    # -- RPC hooks ------------------------------------------------------------------
+    def before_send(self, worker: Worker, dst: int) -> Any:
+        ctx = current_context.get()
+        if ctx is None or ctx.released:
+            return None
+        ctx.peers.add(dst)
+        return (ctx.context_id, self.new_id())
+
+    def after_send(self, worker: Worker, meta: Any, payload: Payload, dst: int) -> None:
+        if meta is None or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in payload.tensors if t.requires_grad]
+        if tensors:
+            ctx = self.contexts.get(meta[0])
+            if ctx is not None:
+                ctx.sends[meta[1]] = SendEntry(tensors, dst)
+
+    def on_receive(self, worker: Worker, meta: Any, payload: Payload, src: int) -> None:
+        if meta is None:
+            return
+        context_id, message_id = meta
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            ctx = self.contexts[context_id] = DistContext(context_id)
+        ctx.peers.add(src)
+        leaves = [t for t in payload.tensors if t.requires_grad]
+        if leaves:
+            ctx.recvs[message_id] = RecvEntry(leaves, src)
+            for i, leaf in enumerate(leaves):
+                ctx.recv_of_leaf[id(leaf)] = (message_id, i)
+
+    @contextlib.contextmanager
+    def scope(self, worker: Worker, meta: Any) -> Iterator[None]:
+        if meta is None:
+            yield
+            return
+        token = current_context.set(self.contexts.get(meta[0]))
+        try:
+            yield
+        finally:
+            current_context.reset(token)
+
+    # -- release --------------------------------------------------------------------
+    def release(self, context_id: int, came_from: int | None = None) -> None:
+        """Drop the context here and tell every worker it touched to do the same."""
+        ctx = self.contexts.pop(context_id, None)
+        if ctx is None:
+            return
+        ctx.released = True
+        message = Payload.dump(ReleaseContext(context_id=context_id))
+        for peer in ctx.peers - {came_from, self.worker.rank}:
+            with contextlib.suppress(Exception):  # a lost peer has nothing left to free
+                self.worker.tell(peer, ReleaseContext.TARGET, message)
+
+    def on_release(self, peer: Any, payload: Payload) -> None:
+        msg = payload.load()
+        self.release(msg.context_id, came_from=peer.rank)
+
+    def debug_info(self) -> dict[str, int]:
+        return {
+            "num_autograd_contexts": len(self.contexts),
+            "num_current_backward_passes": sum(c.running_backwards for c in self.contexts.values()),
+            "num_send_entries": sum(len(c.sends) for c in self.contexts.values()),
+            "num_recv_entries": sum(len(c.recvs) for c in self.contexts.values()),
+        }
+
+
+def context_actor(worker: Worker | None = None) -> ContextActor:
+    worker = worker or get_worker()
+    actor = worker.extensions.get("autograd.context")
+    if not isinstance(actor, ContextActor):
+        raise RuntimeError("distributed autograd is not set up on this worker")
+    return actor
+
+
+class context:  # noqa: N801 - named like torch.distributed.autograd.context
+    """A distributed autograd context: ``async with autograd.context() as context_id``.
+
+    RPCs made inside it (and nested RPCs made by callees) record send/recv pairs. On
+    exit the context is released on every worker that took part, also when the body
+    raised.
+    """
+
+    def __init__(self) -> None:
+        self._ctx: DistContext | None = None
+        self._token: contextvars.Token[DistContext | None] | None = None
+
+    def __enter__(self) -> int:
+        actor = context_actor()
+        self._ctx = actor.create()
+        self._token = current_context.set(self._ctx)
+        return self._ctx.context_id
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._ctx is not None and self._token is not None
+        current_context.reset(self._token)
+        with contextlib.suppress(RuntimeError):
+            context_actor().release(self._ctx.context_id)
+
+    async def __aenter__(self) -> int:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's accumulated gradients in the context: ``{tensor: grad}``."""
+    return dict(context_actor().get(context_id).grads)
+
+
+def debug_info() -> dict[str, int]:
+    """``num_autograd_contexts`` and ``num_current_backward_passes`` on this worker."""
+    return context_actor().debug_info()
+
+
+def current_context_id() -> int | None:
+    """The id of the context the calling code runs in, or None."""
+    ctx = current_context.get()
+    return None if ctx is None else ctx.context_id

@@ -1,0 +1,46 @@
+"""Typed messages between the autograd actors of different workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PropagateGrads:
+    """PROPAGATE_GRADS: gradients for the send entry ``message_id`` of a context.
+
+    Sent by the worker that executed the matching recv; answered (with a
+    :class:`BackwardReport`) once every propagation this one caused has finished.
+    """
+
+    TARGET = "autograd.propagate"
+    context_id: int
+    message_id: int
+    grads: tuple[torch.Tensor | None, ...]
+    check_unused: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackwardReport:
+    """What the workers reached by a propagation know about their send/recv pairs.
+
+    ``pairs`` holds every autograd message id recorded on those workers in this context,
+    ``fired`` those that carried gradients. Ids are global, so merging is a union and
+    the order in which reports arrive does not matter.
+    """
+
+    pairs: dict[int, str]
+    fired: frozenset[int]
+
+    def merge(self, other: BackwardReport) -> BackwardReport:
+        return BackwardReport(pairs={**self.pairs, **other.pairs}, fired=self.fired | other.fired)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseContext:
+    """RELEASE_CONTEXT: drop the context here and forward to the workers it touched."""
+
+    TARGET = "autograd.release"
+    context_id: int
