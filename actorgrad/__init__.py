@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import autograd as autograd
+from . import optim as optim
 from . import rpc as _rpc
 from ._api import get_rank as get_rank
 from ._api import get_world_size as get_world_size
@@ -66,6 +67,7 @@ __all__ = (
     "WorkerLost",
     "autograd",
     "dist_backward",
+    "optim",
     "get_rank",
     "get_world_size",
     "get_worker_info",

@@ -1,0 +1,177 @@
+"""OptimizerActor and DistributedOptimizer: local optimizers applying context gradients.
+
+``DistributedOptimizer`` groups parameter RRefs by owner and asks each owner's
+OptimizerActor to build one local optimizer over its parameters. ``step(context_id)``
+sends OPT_STEP to every owner at once; each owner takes that context's gradients for its
+parameters, assigns them as ``.grad`` for the duration of the step, steps under a
+per-optimizer lock (concurrent steps on the same parameters are serialized) and clears
+them again. The step itself runs on the worker's thread pool, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..autograd import _context
+from ..rpc import RRef
+from ..runtime import Worker, get_worker
+from ..wire import Payload
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateOptimizer:
+    """Build a local optimizer over ``params`` (RRefs owned by the receiving worker)."""
+
+    TARGET = "optim.create"
+    optimizer_id: tuple[int, int]
+    optimizer_class: Any
+    params: tuple[RRef[Any], ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptStep:
+    """OPT_STEP: apply the gradients of ``context_id`` with optimizer ``optimizer_id``."""
+
+    TARGET = "optim.step"
+    optimizer_id: tuple[int, int]
+    context_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DropOptimizer:
+    TARGET = "optim.drop"
+    optimizer_id: tuple[int, int]
+
+
+class _LocalOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.params = params
+        self.lock = asyncio.Lock()
+
+
+class OptimizerActor:
+    """Holds this worker's local optimizers and applies context gradients with them."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.optimizers: dict[tuple[int, int], _LocalOptimizer] = {}
+
+    def on_create(self, peer: Any, payload: Payload) -> Any:
+        msg: CreateOptimizer = payload.load()
+
+        async def create() -> Payload:
+            params = [await p.to_here() for p in msg.params]
+            optimizer = msg.optimizer_class(params, *msg.args, **msg.kwargs)
+            self.optimizers[msg.optimizer_id] = _LocalOptimizer(optimizer, params)
+            return Payload.dump(None)
+
+        return create()
+
+    def on_step(self, peer: Any, payload: Payload) -> Any:
+        msg: OptStep = payload.load()
+        return self._step(msg.optimizer_id, msg.context_id)
+
+    def on_drop(self, peer: Any, payload: Payload) -> None:
+        self.optimizers.pop(payload.load().optimizer_id, None)
+
+    async def _step(self, optimizer_id: tuple[int, int], context_id: int) -> Payload:
+        local = self.optimizers.get(optimizer_id)
+        if local is None:
+            raise RuntimeError(f"{self.worker.name} has no optimizer {optimizer_id}")
+        grads = _context.context_actor(self.worker).get(context_id).grads
+        async with local.lock:
+            update = [(p, grads.get(p)) for p in local.params]
+
+            def apply() -> None:
+                try:
+                    for param, grad in update:
+                        param.grad = grad
+                    local.optimizer.step()
+                finally:
+                    for param, _ in update:
+                        param.grad = None
+
+            await self.worker.run_blocking(apply)
+        return Payload.dump(None)
+
+
+_ids = itertools.count(1)
+
+
+class DistributedOptimizer:
+    """One ``optimizer_class`` per owner of the parameters in ``params_rref``.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, e.g. ``torch.optim.SGD``.
+        params_rref: RRefs to parameters, local or remote.
+        *args, **kwargs: passed to every ``optimizer_class`` instance.
+
+    The remote optimizers are created in the background; ``step`` waits for them.
+    """
+
+    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: Sequence[RRef[Any]],
+                 *args: Any, **kwargs: Any) -> None:
+        if not params_rref:
+            raise ValueError("DistributedOptimizer needs at least one parameter RRef")
+        worker = get_worker()
+        self._worker = worker
+        by_owner: dict[int, list[RRef[Any]]] = {}
+        for rref in params_rref:
+            if not isinstance(rref, RRef):
+                raise TypeError(f"params_rref must hold RRefs, got {type(rref).__name__}")
+            by_owner.setdefault(rref.owner().id, []).append(rref)
+        self._id = (worker.rank, next(_ids))
+        self._owners = sorted(by_owner)
+        self._created: list[asyncio.Future[Payload]] = []
+        for owner, rrefs in by_owner.items():
+            message = CreateOptimizer(optimizer_id=self._id, optimizer_class=optimizer_class,
+                                      params=tuple(rrefs), args=args, kwargs=kwargs)
+            fut = worker.call(owner, CreateOptimizer.TARGET, Payload.dump(message))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._created.append(fut)
+
+    async def step(self, context_id: int) -> None:
+        """Apply the gradients of ``context_id`` on every owner, in parallel."""
+        if self._created:
+            await asyncio.gather(*self._created)
+            self._created = []
+        message = Payload.dump(OptStep(optimizer_id=self._id, context_id=context_id))
+        await asyncio.gather(*(self._worker.call(o, OptStep.TARGET, message) for o in self._owners))
+
+    async def zero_grad(self) -> None:
+        """Nothing to do: gradients live in autograd contexts, not in ``.grad``."""
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is None or worker.closed or worker.loop.is_closed():
+            return
+        message = Payload.dump(DropOptimizer(optimizer_id=self._id))
+
+        def drop() -> None:
+            for owner in self._owners:
+                try:
+                    worker.tell(owner, DropOptimizer.TARGET, message)
+                except Exception:
+                    pass  # owner gone: its optimizers went with it
+
+        try:
+            worker.loop.call_soon_threadsafe(drop)
+        except RuntimeError:
+            pass
+
+
+def setup(worker: Worker) -> None:
+    actor = OptimizerActor(worker)
+    worker.extensions["optim"] = actor
+    worker.register(CreateOptimizer.TARGET, actor.on_create)
+    worker.register(OptStep.TARGET, actor.on_step)
+    worker.register(DropOptimizer.TARGET, actor.on_drop)
