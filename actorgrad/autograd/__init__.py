@@ -15,6 +15,7 @@ from ._engine import EngineActor as EngineActor
 from ._engine import backward as backward
 from ._messages import PropagateGrads as _PropagateGrads
 from ._messages import ReleaseContext as _ReleaseContext
+from ._messages import Traverse as _Traverse
 
 
 class _Hooks(ContextActor):
@@ -45,6 +46,7 @@ def _setup(worker: _Worker) -> None:
     worker.extensions["autograd.engine"] = engine
     worker.register(_PropagateGrads.TARGET, engine.on_propagate)
     worker.register(_ReleaseContext.TARGET, contexts.on_release)
+    worker.register(_Traverse.TARGET, engine.on_traverse)
 
 
 _install_hooks(_Hooks())

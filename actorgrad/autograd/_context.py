@@ -65,6 +65,8 @@ class DistContext:
     grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     peers: set[int] = field(default_factory=set)
     running_backwards: int = 0
+    graph_tasks: dict[int, Any] = field(default_factory=dict)  # backward id -> GraphTask
+    hooked: dict[Any, Any] = field(default_factory=dict)  # stop node -> pre-hook handle
     graph_freed: bool = False  # a backward without retain_graph ran here
     released: bool = False
 
@@ -156,6 +158,10 @@ class ContextActor(CallHooks):
         if ctx is None:
             return
         ctx.released = True
+        for handle in ctx.hooked.values():
+            handle.remove()
+        ctx.hooked.clear()
+        ctx.graph_tasks.clear()
         message = Payload.dump(ReleaseContext(context_id=context_id))
         for peer in ctx.peers - {came_from, self.worker.rank}:
             with contextlib.suppress(Exception):  # a lost peer has nothing left to free

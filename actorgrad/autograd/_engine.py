@@ -1,32 +1,34 @@
 """EngineActor: executes this worker's part of a distributed backward pass.
 
 # Theory of operation
-A *job* starts from some tensors and their incoming gradients: the roots (with ones) on
-the worker that called ``backward``, or a send entry's tensors when a peer's
-PROPAGATE_GRADS arrives. The job finds the leaves its tensors reach (``_graph``), has
-torch compute all their gradients in one ``torch.autograd.grad`` call on a pool thread
-(the event loop keeps serving meanwhile), accumulates user-leaf gradients in the context
-and ships recv-leaf gradients to the workers that sent those tensors. A job finishes
-when every propagation it caused has been answered, and a worker answers a
-PROPAGATE_GRADS only when its own job has finished, so the ``backward`` call returns
-exactly when all gradient propagation everywhere is done — or raises the first failure.
+``backward`` on the worker holding the roots mints a backward id; every worker keeps a
+*graph task* for it. Execution is planned per worker (``_plan``): the starts are the
+roots and the send entries that take part, and every local node runs exactly once, in
+the ``torch.autograd.grad`` call of the start that feeds it or, where several starts
+meet, as a stop that runs once all their shares have arrived. The calls run on the
+worker's thread pool, so the event loop keeps serving peers and heartbeats.
 
-Gradient propagation is linear, so jobs that reach shared parts of a worker's graph may
-run independently and their contributions add up; no job waits for a gradient that may
-never come, and several round trips between two workers cannot deadlock. Each job runs
-with ``retain_graph=True`` because a later job may traverse the same nodes; the graph is
-freed when the context is released.
+A recv entry whose leaves have all their gradients sends them (PROPAGATE_GRADS) to the
+worker that sent the tensors, where the matching send entry is a start. A worker
+answers a PROPAGATE_GRADS only when everything it caused (its job, the stops that job
+completed, the propagations they made) has finished, so ``backward`` returns exactly
+when all gradient propagation everywhere is done, and raises the first failure.
 
-FAST mode follows PyTorch's contract that every send of the context receives a gradient:
-each answer carries the send/recv pairs the answering worker knows and the ones that
-fired, and the caller raises ContextError naming any pair that stayed silent instead of
-waiting for it forever. SMART mode accepts such unused RPCs and skips them.
+FAST mode (PyTorch's): every send entry of the context is a start. An RPC whose output
+the roots do not use leaves its send waiting; PyTorch waits forever, we finish all that
+can finish, see from the answers which send/recv pairs stayed silent, and raise
+ContextError naming them. SMART mode first *discovers* the distributed graph: from the
+roots, each reached recv asks the worker holding its send to continue the traversal
+(TRAVERSE, acknowledged when the sub-traversal is done). Only reached sends become
+starts, so unused RPCs are skipped and every node gets exactly the gradient the roots
+induce.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,100 +36,196 @@ import torch
 from .._errors import ContextError
 from ..runtime import Worker, get_worker
 from ..wire import Payload
-from ._context import ContextActor, DistContext, SendEntry, context_actor
-from ._graph import reachable_leaves
-from ._messages import BackwardReport, PropagateGrads
+from ._context import ContextActor, DistContext, context_actor
+from ._messages import BackwardReport, PropagateGrads, Traverse
+from ._plan import Plan, make_plan, reached_recvs, suppressing
 
-_EMPTY_REPORT = BackwardReport(pairs={}, fired=frozenset())
+ROOTS = ("roots",)
+
+
+@dataclass(slots=True, eq=False)
+class GraphTask:
+    """One worker's state for one distributed backward pass."""
+
+    backward_id: int
+    mode: str
+    retain_graph: bool
+    reached: set[int] = field(default_factory=set)  # SMART: send ids discovery reached
+    traversed: set[int] = field(default_factory=set)  # SMART: recv ids traversed from here
+    plan: Plan | None = None
 
 
 class EngineActor:
-    """Runs backward jobs and answers PROPAGATE_GRADS for this worker."""
+    """Runs backward jobs and answers PROPAGATE_GRADS and TRAVERSE for this worker."""
 
     def __init__(self, worker: Worker, contexts: ContextActor) -> None:
         self.worker = worker
         self.contexts = contexts
 
+    # -- planning -------------------------------------------------------------------
+    def _graph_task(self, ctx: DistContext, backward_id: int, mode: str, retain: bool) -> GraphTask:
+        task = ctx.graph_tasks.get(backward_id)
+        if task is None:
+            task = ctx.graph_tasks[backward_id] = GraphTask(backward_id, mode, retain)
+        return task
+
+    def _plan(self, ctx: DistContext, task: GraphTask, roots: Sequence[torch.Tensor] = ()) -> Plan:
+        if task.plan is None:
+            sends = ctx.sends if task.mode == "fast" else {m: ctx.sends[m] for m in task.reached}
+            starts: dict[Hashable, Sequence[torch.Tensor]] = {("send", m): e.tensors for m, e in sends.items()}
+            if roots:
+                starts[ROOTS] = roots
+            task.plan = make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
+        return task.plan
+
+    # -- SMART discovery ------------------------------------------------------------
+    async def discover(self, ctx: DistContext, task: GraphTask, tensors: Sequence[torch.Tensor]) -> None:
+        """Traverse from ``tensors`` to the recvs they reach, and beyond, everywhere."""
+        found = await self.worker.run_blocking(lambda: reached_recvs(tensors, ctx.recv_of_leaf))
+        new = found - task.traversed
+        task.traversed |= new
+        calls = []
+        for message_id in new:
+            message = Traverse(context_id=ctx.context_id, backward_id=task.backward_id,
+                               message_id=message_id, retain_graph=task.retain_graph)
+            calls.append(self.worker.call(ctx.recvs[message_id].peer, Traverse.TARGET, Payload.dump(message)))
+        await _all_or_first_error(calls)
+
+    def on_traverse(self, peer: Any, payload: Payload) -> Any:
+        msg: Traverse = payload.load()
+        ctx = self.contexts.get(msg.context_id)
+        entry = self._send_entry(ctx, msg.message_id)
+        task = self._graph_task(ctx, msg.backward_id, "smart", msg.retain_graph)
+        if msg.message_id in task.reached:
+            return Payload.dump(None)
+        task.reached.add(msg.message_id)
+
+        async def run() -> Payload:
+            await self.discover(ctx, task, entry.tensors)
+            return Payload.dump(None)
+
+        return run()
+
+    # -- execution ------------------------------------------------------------------
+    def _send_entry(self, ctx: DistContext, message_id: int) -> Any:
+        entry = ctx.sends.get(message_id)
+        if entry is None:
+            raise ContextError(
+                f"context {ctx.context_id} on {self.worker.name} has no send entry "
+                f"{message_id} (gradients arrived for tensors this worker never sent)"
+            )
+        return entry
+
     def on_propagate(self, peer: Any, payload: Payload) -> Any:
         msg: PropagateGrads = payload.load()
         ctx = self.contexts.get(msg.context_id)
-        entry = ctx.sends.get(msg.message_id)
-        if entry is None:
-            raise ContextError(
-                f"context {msg.context_id} on {self.worker.name} has no send entry "
-                f"{msg.message_id} (gradients arrived for tensors this worker never sent)"
-            )
+        entry = self._send_entry(ctx, msg.message_id)
         entry.fired = True
+        task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
+        plan = self._plan(ctx, task)
+        key = ("send", msg.message_id)
+        if key not in plan.feeds:
+            raise ContextError(
+                f"gradients arrived for send {msg.message_id} of context {ctx.context_id}, "
+                "which discovery did not reach"
+            )
 
         async def run() -> Payload:
-            report = await self.run_job(
-                ctx, entry.tensors, list(msg.grads), msg.check_unused, entry=entry
-            )
+            report = await self.run_start(ctx, task, key, entry.tensors, list(msg.grads))
             return Payload.dump(report.merge(BackwardReport(pairs={}, fired=frozenset({msg.message_id}))))
 
         return run()
 
-    async def run_job(
-        self,
-        ctx: DistContext,
-        outputs: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor | None],
-        check_unused: bool,
-        entry: SendEntry | None = None,
+    async def run_start(
+        self, ctx: DistContext, task: GraphTask, key: Hashable,
+        outputs: Sequence[Any], grads: Sequence[torch.Tensor | None],
     ) -> BackwardReport:
-        """Backpropagate ``grads`` from ``outputs`` here and everywhere it leads."""
+        """Run one start's job, then everything it completes, here and elsewhere."""
+        assert task.plan is not None
+        plan = task.plan
+        feeds = plan.feeds[key]
         ctx.running_backwards += 1
         try:
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+            inputs = feeds.inputs(plan)
+            results: Sequence[torch.Tensor | None] = [None] * len(inputs)
+            if pairs and inputs:
+                suppress = frozenset(feeds.stops)
+                # torch may run a (blanked) stop node inside this call, which must
+                # not free the buffers that node's own job needs later.
+                retain = task.retain_graph or bool(suppress)
 
-            def compute() -> tuple[list[torch.Tensor], Sequence[torch.Tensor | None]]:
-                if entry is not None:
-                    if entry.leaves is None:
-                        entry.leaves = reachable_leaves(entry.tensors)
-                    leaves = entry.leaves
-                else:
-                    leaves = reachable_leaves([o for o, _ in pairs])
-                if not leaves or not pairs:
-                    return leaves, []
-                return leaves, torch.autograd.grad(
-                    [o for o, _ in pairs], leaves, [g for _, g in pairs],
-                    retain_graph=True, allow_unused=True,
-                )
+                def compute() -> Sequence[torch.Tensor | None]:
+                    with suppressing(suppress):
+                        return torch.autograd.grad(
+                            [o for o, _ in pairs], inputs, [g for _, g in pairs],
+                            retain_graph=retain, allow_unused=True,
+                        )
 
-            leaves, leaf_grads = await self.worker.run_blocking(compute) if pairs else ([], [])
-            outgoing: dict[int, list[torch.Tensor | None]] = {}
-            for leaf, grad in zip(leaves, leaf_grads, strict=False):
-                if grad is None:
-                    continue
-                where = ctx.recv_of_leaf.get(id(leaf))
-                if where is None:
+                results = await self.worker.run_blocking(compute)
+            # deliver this job's shares
+            it = iter(results)
+            for leaf in feeds.leaves:
+                if (grad := next(it)) is not None:
                     ctx.accumulate(leaf, grad)
-                else:
-                    message_id, index = where
-                    slots = outgoing.setdefault(message_id, [None] * len(ctx.recvs[message_id].leaves))
-                    slots[index] = grad if slots[index] is None else slots[index] + grad
-            fired = frozenset(outgoing)
+            for _, message_id, index in feeds.recv_leaves:
+                if (grad := next(it)) is not None:
+                    _add(plan.recvs[message_id].grads, index, grad)
+            for node in feeds.stops:
+                stop = plan.stops[node]
+                for slot in stop.slots:
+                    if (grad := next(it)) is not None:
+                        _add(stop.grads, slot, grad)
+            # count them in; run or send whatever is now complete
+            followups: list[asyncio.Future[Any]] = []
+            fired = []
+            for message_id in dict.fromkeys(m for _, m, _ in feeds.recv_leaves):
+                share = plan.recvs[message_id]
+                share.pending -= 1
+                if share.pending == 0:
+                    fired.append(message_id)
+                    followups.append(self._fire_recv(ctx, task, message_id, share.grads))
+            for node in feeds.stops:
+                stop = plan.stops[node]
+                stop.pending -= 1
+                if stop.pending == 0:
+                    from torch.autograd.graph import GradientEdge
+
+                    edges = [(GradientEdge(node, s), stop.grads[s]) for s in stop.slots if s in stop.grads]
+                    stop.grads = {}
+                    followups.append(asyncio.ensure_future(self.run_start(
+                        ctx, task, node, [e for e, _ in edges], [g for _, g in edges]
+                    )))
             report = BackwardReport(
-                pairs={m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)} if check_unused else {},
-                fired=fired,
+                pairs={m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)} if task.mode == "fast" else {},
+                fired=frozenset(fired),
             )
-            replies = []
-            for message_id, slots in outgoing.items():
-                recv = ctx.recvs[message_id]
-                recv.fired = True
-                message = PropagateGrads(
-                    context_id=ctx.context_id, message_id=message_id,
-                    grads=tuple(slots), check_unused=check_unused,
-                )
-                replies.append(self.worker.call(recv.peer, PropagateGrads.TARGET, Payload.dump(message)))
-            for reply in await _all_or_first_error(replies):
-                report = report.merge(reply.load())
+            for answer in await _all_or_first_error(followups):
+                if isinstance(answer, Payload):
+                    answer = answer.load()
+                report = report.merge(answer)
             return report
         finally:
             ctx.running_backwards -= 1
 
+    def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int,
+                   grads: dict[int, torch.Tensor]) -> asyncio.Future[Payload]:
+        recv = ctx.recvs[message_id]
+        recv.fired = True
+        message = PropagateGrads(
+            context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
+            grads=tuple(grads.get(i) for i in range(len(recv.leaves))),
+            mode=task.mode, retain_graph=task.retain_graph,
+        )
+        return self.worker.call(recv.peer, PropagateGrads.TARGET, Payload.dump(message))
 
-async def _all_or_first_error(futures: list[asyncio.Future[Payload]]) -> list[Payload]:
+
+def _add(grads: dict[int, torch.Tensor], index: int, grad: torch.Tensor) -> None:
+    held = grads.get(index)
+    grads[index] = grad if held is None else held + grad
+
+
+async def _all_or_first_error(futures: list[asyncio.Future[Any]]) -> list[Any]:
     """Wait for all; on the first failure cancel the rest and raise it (never hang)."""
     if not futures:
         return []
@@ -159,10 +257,12 @@ async def backward(
     Args:
         context_id: the id yielded by ``autograd.context()``.
         roots: local scalar tensors (losses).
-        retain_graph: allow another ``backward`` in the same context; its gradients add.
-        mode: ``"fast"`` (PyTorch's FAST mode: every RPC of the context must receive a
-            gradient, otherwise ContextError names the unused one) or ``"smart"``
-            (RPCs the roots do not use are skipped). Default: ``RpcOptions.autograd_mode``.
+        retain_graph: keep the graph for another ``backward`` in the same context; the
+            gradients of both add up.
+        mode: ``"fast"`` (PyTorch's FAST mode: every RPC of the context must take part;
+            an unused one raises ContextError naming it instead of hanging) or
+            ``"smart"`` (discover the distributed graph first; RPCs the roots do not use
+            are skipped). Default: ``RpcOptions.autograd_mode``.
 
     Returns when every gradient propagation on every worker has finished. Gradients
     accumulate in the context (``get_gradients``), never in ``.grad``.
@@ -191,15 +291,23 @@ async def backward(
                 f"backward roots must be scalars (got shape {tuple(root.shape)}); reduce the "
                 "loss, e.g. with .sum()"
             )
-    ctx = context_actor(worker).get(context_id)
+    contexts = context_actor(worker)
+    ctx = contexts.get(context_id)
     if ctx.graph_freed:
         raise ContextError(
             f"backward already ran in context {context_id} without retain_graph=True; "
             "pass retain_graph=True to the earlier call to backpropagate again"
         )
-    report = await engine_actor(worker).run_job(
-        ctx, roots, [torch.ones_like(r) for r in roots], check_unused=(mode == "fast")
-    )
+    engine = engine_actor(worker)
+    task = GraphTask(contexts.new_id(), mode, retain_graph)
+    ctx.graph_tasks[task.backward_id] = task
+    try:
+        if mode == "smart":
+            await engine.discover(ctx, task, roots)
+        engine._plan(ctx, task, roots)
+        report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
+    finally:
+        ctx.graph_tasks.pop(task.backward_id, None)
     if not retain_graph:
         ctx.graph_freed = True
     if mode == "fast":

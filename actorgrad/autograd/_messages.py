@@ -17,9 +17,24 @@ class PropagateGrads:
 
     TARGET = "autograd.propagate"
     context_id: int
+    backward_id: int
     message_id: int
     grads: tuple[torch.Tensor | None, ...]
-    check_unused: bool
+    mode: str
+    retain_graph: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Traverse:
+    """TRAVERSE (SMART mode discovery): the recv of ``message_id`` is reachable from the
+    roots; the worker holding the send continues the traversal from it. Answered once
+    that whole sub-traversal is done, so the initiator knows when discovery ended."""
+
+    TARGET = "autograd.traverse"
+    context_id: int
+    backward_id: int
+    message_id: int
+    retain_graph: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,180 @@
+"""Exact dependency planning of one worker's share of a distributed backward.
+
+# Theory of operation
+A worker's graph receives gradients at *starts*: the roots (on the worker that called
+``backward``) and the send entries that take part (every send in FAST mode, the ones
+discovery reached in SMART mode). Walking the autograd graph from all starts in
+topological order, each node gets the set of starts whose gradients flow into it. A
+node fed by a single start runs inside that start's ``torch.autograd.grad`` call. A node
+fed by several is a *stop*: every feeding job captures its share at the node's input
+(a ``GradientEdge``) without running it, and once the last share is in, the node runs
+as a start of its own, exactly once, with the summed gradient. Recv leaves fed by
+several starts wait the same way, so each recv sends its gradients exactly once.
+
+Within one job torch would still run a stop node if another of the job's targets lies
+beyond it; a node pre-hook blanks the stop's gradient inside the job that merely feeds
+it (captures happen before pre-hooks), so its share is only counted once, when it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+_suppressed = threading.local()
+
+
+def _blank_if_suppressed(node: Any) -> Any:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[None, ...] | None:
+        if node in getattr(_suppressed, "nodes", ()):
+            return tuple(None for _ in grad_outputs)
+        return None
+
+    return hook
+
+
+class suppressing:  # noqa: N801 - used as a context manager
+    """Within the block, on this thread, the given stop nodes propagate nothing."""
+
+    def __init__(self, nodes: frozenset[Any]) -> None:
+        self.nodes = nodes
+
+    def __enter__(self) -> None:
+        self._saved = getattr(_suppressed, "nodes", frozenset())
+        _suppressed.nodes = self.nodes
+
+    def __exit__(self, *exc: object) -> None:
+        _suppressed.nodes = self._saved
+
+
+@dataclass(slots=True, eq=False)
+class Stop:
+    """A node (or recv entry) that waits for the shares of several starts."""
+
+    pending: int
+    slots: tuple[int, ...] = ()
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class Feeds:
+    """What one start's job delivers gradients to."""
+
+    leaves: list[torch.Tensor] = field(default_factory=list)
+    recv_leaves: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # leaf, msg, i
+    stops: list[Any] = field(default_factory=list)  # nodes
+
+    def inputs(self, plan: Plan) -> list[torch.Tensor | GradientEdge]:
+        targets: list[torch.Tensor | GradientEdge] = [*self.leaves]
+        targets.extend(leaf for leaf, _, _ in self.recv_leaves)
+        for node in self.stops:
+            targets.extend(GradientEdge(node, slot) for slot in plan.stops[node].slots)
+        return targets
+
+
+@dataclass(slots=True, eq=False)
+class Plan:
+    feeds: dict[Hashable, Feeds]
+    stops: dict[Any, Stop]
+    recvs: dict[int, Stop]  # message id -> pending shares and summed grads (by leaf index)
+
+
+def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
+    edge = get_gradient_edge(tensor)
+    return edge.node, edge.output_nr
+
+
+def make_plan(
+    starts: dict[Hashable, Sequence[torch.Tensor]],
+    recv_of_leaf: dict[int, tuple[int, int]],
+    hooked: dict[Any, Any],
+) -> Plan:
+    """Plan the jobs for ``starts`` (key -> tensors receiving the start's gradients).
+
+    ``hooked`` maps nodes that already carry the suppression pre-hook to its handle; new
+    stop nodes get the hook and are added.
+    """
+    # 1. the reached subgraph and the in-degree of every node in it
+    indegree: dict[Any, int] = {}
+    start_edges = {key: [_edge(t) for t in tensors if t.requires_grad] for key, tensors in starts.items()}
+    stack = []
+    for edges in start_edges.values():
+        for node, _ in edges:
+            if node not in indegree:
+                indegree[node] = 0
+                stack.append(node)
+            indegree[node] += 1
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in indegree:
+                indegree[child] = 0
+                stack.append(child)
+            indegree[child] += 1
+    # 2. topological pass: which starts feed each node; several -> a stop
+    sources: dict[Any, set[Hashable]] = {}
+    slots: dict[Any, set[int]] = {}
+    ready = []
+
+    def feed(node: Any, slot: int, keys: set[Hashable]) -> None:
+        sources.setdefault(node, set()).update(keys)
+        slots.setdefault(node, set()).add(slot)
+        indegree[node] -= 1
+        if indegree[node] == 0:
+            ready.append(node)
+
+    for key, edges in start_edges.items():
+        for node, slot in edges:
+            feed(node, slot, {key})
+    feeds: dict[Hashable, Feeds] = {key: Feeds() for key in starts}
+    stops: dict[Any, Stop] = {}
+    recv_sources: dict[int, set[Hashable]] = {}
+    while ready:
+        node = ready.pop()
+        keys = sources[node]
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: a user leaf or a recv leaf
+            where = recv_of_leaf.get(id(variable))
+            for key in keys:
+                if where is None:
+                    feeds[key].leaves.append(variable)
+                else:
+                    feeds[key].recv_leaves.append((variable, where[0], where[1]))
+            if where is not None:
+                recv_sources.setdefault(where[0], set()).update(keys)
+            continue
+        if len(keys) > 1:
+            stops[node] = Stop(pending=len(keys), slots=tuple(sorted(slots[node])))
+            for key in keys:
+                feeds[key].stops.append(node)
+            if node not in hooked:
+                hooked[node] = node.register_prehook(_blank_if_suppressed(node))
+            feeds[node] = Feeds()
+            keys = {node}
+        for child, slot in node.next_functions:
+            if child is not None:
+                feed(child, slot, keys)
+    return Plan(
+        feeds=feeds,
+        stops=stops,
+        recvs={msg: Stop(pending=len(keys)) for msg, keys in recv_sources.items()},
+    )
+
+
+def reached_recvs(tensors: Sequence[torch.Tensor], recv_of_leaf: dict[int, tuple[int, int]]) -> set[int]:
+    """Message ids of the recv entries whose leaves ``tensors`` reach (for discovery)."""
+    from ._graph import reachable_leaves
+
+    found = set()
+    for leaf in reachable_leaves(tensors):
+        where = recv_of_leaf.get(id(leaf))
+        if where is not None:
+            found.add(where[0])
+    return found
