@@ -41,7 +41,7 @@ class RemoteError(ActorgradError):
         self.remote_traceback = remote_traceback
         super().__init__(f"{remote_type} on {worker}: {message}")
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, ...]:
         return (
             type(self),
             (self.worker, self.remote_type, self.remote_message, self.remote_traceback),
@@ -70,7 +70,7 @@ class WorkerLost(ActorgradError, ConnectionError):
         self.reason = reason
         super().__init__(f"worker {worker!r} is lost: {reason}")
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.worker, self.reason))
 
 

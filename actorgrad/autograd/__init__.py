@@ -24,18 +24,18 @@ class _Hooks(ContextActor):
     def __init__(self) -> None:
         pass
 
-    def before_send(self, worker, dst):  # type: ignore[no-untyped-def]
+    def before_send(self, worker, dst):
         return _context_actor(worker).before_send(worker, dst)
 
-    def after_send(self, worker, meta, payload, dst):  # type: ignore[no-untyped-def]
+    def after_send(self, worker, meta, payload, dst):
         if meta is not None:
             _context_actor(worker).after_send(worker, meta, payload, dst)
 
-    def on_receive(self, worker, meta, payload, src):  # type: ignore[no-untyped-def]
+    def on_receive(self, worker, meta, payload, src):
         if meta is not None:
             _context_actor(worker).on_receive(worker, meta, payload, src)
 
-    def scope(self, worker, meta):  # type: ignore[no-untyped-def]
+    def scope(self, worker, meta):
         return _context_actor(worker).scope(worker, meta)
 
 

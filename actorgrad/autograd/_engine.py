@@ -147,7 +147,7 @@ class EngineActor:
         ctx.running_backwards += 1
         try:
             pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-            inputs = feeds.inputs(plan)
+            inputs: Any = feeds.inputs(plan)
             results: Sequence[torch.Tensor | None] = [None] * len(inputs)
             if pairs and inputs:
                 suppress = frozenset(feeds.stops)

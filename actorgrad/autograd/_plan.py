@@ -45,7 +45,7 @@ class suppressing:  # noqa: N801 - used as a context manager
         self.nodes = nodes
 
     def __enter__(self) -> None:
-        self._saved = getattr(_suppressed, "nodes", frozenset())
+        self._saved: frozenset[Any] = getattr(_suppressed, "nodes", frozenset())
         _suppressed.nodes = self.nodes
 
     def __exit__(self, *exc: object) -> None:

@@ -155,17 +155,17 @@ class RRef(Generic[T]):
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
-                return await_threadsafe(self._worker.loop, self._value, None)  # type: ignore[no-any-return]
+                return await_threadsafe(self._worker.loop, self._value, None)
             raise RuntimeError("the RRef's value is still being created; `await rref.to_here()`")
-        return self._value.result()  # type: ignore[no-any-return]
+        return self._value.result()
 
     async def to_here(self, timeout: float | None = None) -> T:
         """A copy of the value on this worker (inside an autograd context, recorded)."""
         if self._value is not None:
-            return await asyncio.shield(self._value)  # type: ignore[no-any-return]
+            return await asyncio.shield(self._value)
         worker = self._worker
         src, reply = _api.send_request(worker, self._owner, "rref.fetch", (self._id,), timeout)
-        return _api.load_value(worker, await reply, src)  # type: ignore[no-any-return]
+        return _api.load_value(worker, await reply, src)
 
     # -- proxies --------------------------------------------------------------------
     def rpc_async(self, timeout: float | None = None) -> Any:
