@@ -1,0 +1,69 @@
+"""The pytest plugin, exercised in fresh pytest runs (pytester)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+TEST_BODY = '''
+import pytest
+import torch
+import actorgrad as ag
+
+{mark}
+@pytest.mark.world_size(3)
+async def test_three_workers(actorgrad_group):
+    assert ag.get_worker_info().name == "worker0"
+    assert ag.get_world_size() == 3
+    total = await ag.rpc_async("worker2", torch.add, args=(torch.ones(2), 1))
+    assert torch.equal(total, torch.full((2,), 2.0))
+
+{mark}
+async def test_default_two(actorgrad_group):
+    assert len(actorgrad_group.workers) == 2
+    assert await ag.rpc_async("worker1", max, args=(3, 4)) == 4
+
+{mark}
+async def test_fails_and_still_tears_down(actorgrad_group):
+    await ag.rpc_async("worker1", max, args=(1, 2))
+    raise AssertionError("boom")
+
+{mark}
+async def test_autograd_in_group(actorgrad_group):
+    a = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        b = await ag.rpc_async("worker1", torch.mul, args=(a, 2.0))
+        await ag.autograd.backward(cid, [b.sum()])
+        assert torch.equal(ag.autograd.get_gradients(cid)[a], torch.full((3,), 2.0))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_plugin_fixture_in_both_asyncio_modes(pytester: pytest.Pytester, mode: str) -> None:
+    mark = "@pytest.mark.asyncio" if mode == "strict" else ""
+    pytester.makepyfile(test_user=TEST_BODY.format(mark=mark))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-o", f"asyncio_mode={mode}",
+        "-o", "asyncio_default_fixture_loop_scope=function", "-q",
+    )
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*AssertionError: boom*"])
+    # every group was shut down: no worker is left running in the test process
+    assert "Task was destroyed" not in result.stdout.str()
+
+
+@pytest.mark.slow
+def test_process_group_fixture(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_proc='''
+import os
+import actorgrad as ag
+
+async def test_separate_process(actorgrad_process_group):
+    pid = await ag.rpc_async("worker1", os.getpid)
+    assert pid != os.getpid()
+    assert pid in actorgrad_process_group.pids
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "asyncio_mode=auto", "-q")
+    result.assert_outcomes(passed=1)
