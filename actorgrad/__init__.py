@@ -5,12 +5,14 @@ from __future__ import annotations
 from . import autograd as autograd
 from . import optim as optim
 from . import rpc as _rpc
+from ._api import export_trace as export_trace
 from ._api import get_rank as get_rank
-from ._api import get_world_size as get_world_size
 from ._api import get_worker_info as get_worker_info
+from ._api import get_world_size as get_world_size
 from ._api import init_rpc as init_rpc
 from ._api import run as run
 from ._api import shutdown as shutdown
+from ._api import trace as trace
 from ._api import worker_setup as _worker_setup
 from ._errors import ActorgradError as ActorgradError
 from ._errors import ActorgradInternalError as ActorgradInternalError
@@ -67,6 +69,7 @@ __all__ = (
     "WorkerLost",
     "autograd",
     "dist_backward",
+    "export_trace",
     "optim",
     "get_rank",
     "get_world_size",
@@ -79,4 +82,5 @@ __all__ = (
     "rref_debug_info",
     "run",
     "shutdown",
+    "trace",
 )

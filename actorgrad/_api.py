@@ -6,8 +6,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .runtime import RpcOptions, Worker, WorkerInfo, get_worker, remember_loop_thread
-from .runtime import _current
+from .runtime import RpcOptions, Worker, WorkerInfo, _current, get_worker, remember_loop_thread
 
 T = TypeVar("T")
 
@@ -35,7 +34,6 @@ async def init_rpc(
         This worker's WorkerInfo, once every worker has joined and can reach every other.
     """
     from ._errors import ActorgradError
-
     from .runtime._rendezvous import parse_init_method
 
     options = options or RpcOptions()
@@ -89,3 +87,50 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
+
+
+class trace:  # noqa: N801 - used as `with ag.trace():`
+    """Record RPC and backward events on every worker while the block runs.
+
+    ``with ag.trace(): ...`` then ``await ag.export_trace("trace.json")``. Messages to
+    peers are ordered, so every call made inside the block is recorded on both sides.
+    """
+
+    def __enter__(self) -> trace:
+        self._set(True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._set(False)
+
+    def _set(self, enabled: bool) -> None:
+        import contextlib
+
+        from .wire import Payload
+
+        worker = get_worker()
+        worker.tracer.enabled = enabled
+        for rank in list(worker.peers):
+            with contextlib.suppress(Exception):
+                worker.tell(rank, "trace.set", Payload.dump(enabled))
+
+
+async def export_trace(path: str) -> int:
+    """Merge every worker's recorded events into one Chrome-trace JSON file at ``path``.
+
+    Open it in Perfetto (ui.perfetto.dev) or chrome://tracing. Returns the number of
+    events written. Workers that are gone are left out.
+    """
+    import json
+
+    from .wire import Payload
+
+    worker = get_worker()
+    events = list(worker.tracer.take())
+    replies = [worker.call(rank, "trace.collect", Payload.dump(None)) for rank in list(worker.peers)]
+    for reply in await asyncio.gather(*replies, return_exceptions=True):
+        if not isinstance(reply, BaseException):
+            events.extend(reply.load())
+    with open(path, "w") as f:  # noqa: ASYNC230 - one write at the end of a run
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return len(events)

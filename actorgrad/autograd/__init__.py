@@ -13,6 +13,9 @@ from ._context import debug_info as debug_info
 from ._context import get_gradients as get_gradients
 from ._engine import EngineActor as EngineActor
 from ._engine import backward as backward
+from ._inspect import DistGraph as DistGraph
+from ._inspect import graph as graph
+from ._inspect import install as _install_inspect
 from ._messages import PropagateGrads as _PropagateGrads
 from ._messages import ReleaseContext as _ReleaseContext
 from ._messages import Traverse as _Traverse
@@ -47,6 +50,7 @@ def _setup(worker: _Worker) -> None:
     worker.register(_PropagateGrads.TARGET, engine.on_propagate)
     worker.register(_ReleaseContext.TARGET, contexts.on_release)
     worker.register(_Traverse.TARGET, engine.on_traverse)
+    _install_inspect(worker)
 
 
 _install_hooks(_Hooks())
@@ -54,10 +58,12 @@ _worker_setup.append(_setup)
 
 __all__ = (
     "ContextActor",
+    "DistGraph",
     "EngineActor",
     "backward",
     "context",
     "current_context_id",
     "debug_info",
     "get_gradients",
+    "graph",
 )

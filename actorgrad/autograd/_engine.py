@@ -27,7 +27,8 @@ induce.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Sequence
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,8 +156,14 @@ class EngineActor:
                 # not free the buffers that node's own job needs later.
                 retain = task.retain_graph or bool(suppress)
 
+                tracer = self.worker.tracer
+                region = plan.regions.get(key, []) if tracer.enabled else []
+
                 def compute() -> Sequence[torch.Tensor | None]:
-                    with suppressing(suppress):
+                    with suppressing(suppress), tracer.span(
+                        "backward job", "autograd",
+                        {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
+                    ), _traced_nodes(tracer, region):
                         return torch.autograd.grad(
                             [o for o, _ in pairs], inputs, [g for _, g in pairs],
                             retain_graph=retain, allow_unused=True,
@@ -218,6 +225,43 @@ class EngineActor:
             mode=task.mode, retain_graph=task.retain_graph,
         )
         return self.worker.call(recv.peer, PropagateGrads.TARGET, Payload.dump(message))
+
+
+def _describe_start(key: Hashable) -> str:
+    if key == ROOTS:
+        return "roots"
+    if isinstance(key, tuple) and key[0] == "send":
+        return f"send {key[1]}"
+    return f"stop {type(key).__name__}"
+
+
+@contextlib.contextmanager
+def _traced_nodes(tracer: Any, nodes: list[Any]) -> Iterator[None]:
+    """While tracing, record every autograd node execution in ``nodes`` as a span."""
+    if not nodes:
+        yield
+        return
+    from ..runtime._trace import now_us
+
+    started: dict[Any, float] = {}
+    handles = []
+    for node in nodes:
+        if getattr(node, "variable", None) is not None:
+            continue
+
+        def pre(grads: Any, node: Any = node) -> None:
+            started[node] = now_us()
+
+        def post(grad_inputs: Any, grad_outputs: Any, node: Any = node) -> None:
+            tracer.complete(node.name(), "autograd node", started.pop(node, now_us()))
+
+        handles.append(node.register_prehook(pre))
+        handles.append(node.register_hook(post))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _add(grads: dict[int, torch.Tensor], index: int, grad: torch.Tensor) -> None:

@@ -81,6 +81,8 @@ class Feeds:
 class Plan:
     feeds: dict[Hashable, Feeds]
     stops: dict[Any, Stop]
+    regions: dict[Hashable, list[Any]]  # start -> the nodes its torch call runs (for traces)
+    indegree: dict[Any, int]  # node -> number of gradient edges into it (for pictures)
     recvs: dict[int, Stop]  # message id -> pending shares and summed grads (by leaf index)
 
 
@@ -118,7 +120,9 @@ def make_plan(
                 indegree[child] = 0
                 stack.append(child)
             indegree[child] += 1
+    total_indegree = dict(indegree)
     # 2. topological pass: which starts feed each node; several -> a stop
+    regions: dict[Hashable, list[Any]] = {key: [] for key in starts}
     sources: dict[Any, set[Hashable]] = {}
     slots: dict[Any, set[int]] = {}
     ready = []
@@ -157,13 +161,18 @@ def make_plan(
             if node not in hooked:
                 hooked[node] = node.register_prehook(_blank_if_suppressed(node))
             feeds[node] = Feeds()
+            regions[node] = []
             keys = {node}
+        for key in keys:
+            regions[key].append(node)
         for child, slot in node.next_functions:
             if child is not None:
                 feed(child, slot, keys)
     return Plan(
         feeds=feeds,
         stops=stops,
+        regions=regions,
+        indegree=total_indegree,
         recvs={msg: Stop(pending=len(keys)) for msg, keys in recv_sources.items()},
     )
 

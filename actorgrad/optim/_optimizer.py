@@ -11,6 +11,7 @@ them again. The step itself runs on the worker's thread pool, off the event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,15 +159,11 @@ class DistributedOptimizer:
 
         def drop() -> None:
             for owner in self._owners:
-                try:
+                with contextlib.suppress(Exception):  # owner gone: its optimizers went with it
                     worker.tell(owner, DropOptimizer.TARGET, message)
-                except Exception:
-                    pass  # owner gone: its optimizers went with it
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
             worker.loop.call_soon_threadsafe(drop)
-        except RuntimeError:
-            pass
 
 
 def setup(worker: Worker) -> None:

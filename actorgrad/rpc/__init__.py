@@ -10,6 +10,9 @@ from ._hooks import install as install_hooks
 from ._rref import RRef as RRef
 from ._rref import owner_table as owner_table
 
+__all__ = ("CallHooks", "RRef", "install_handlers", "install_hooks", "owner_table", "remote",
+           "rpc_async", "rpc_sync")
+
 
 def install_handlers(worker: object) -> None:
     """Register the RPC and RRef handlers on a new worker."""

@@ -16,6 +16,7 @@ the fork set is empty. Owner-side RRef objects hold the value themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import weakref
@@ -211,15 +212,11 @@ def _release_fork(worker_ref: weakref.ref[Worker], owner: int, rref_id: RRefId, 
 
     def send() -> None:
         if not worker.closed:
-            try:
+            with contextlib.suppress(Exception):  # the owner is gone: nothing left to free
                 worker.tell(owner, "rref.del_fork", Payload.dump((rref_id, fork)))
-            except Exception:
-                pass  # the owner is gone: nothing left to free
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
         worker.loop.call_soon_threadsafe(send)
-    except RuntimeError:
-        pass
 
 
 class _Proxy:

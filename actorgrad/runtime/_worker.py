@@ -28,11 +28,23 @@ from .._errors import (
     RpcTimeout,
     WorkerLost,
 )
-from ..wire import Call, Cancel, Connection, Established, Failure, Goodbye, Heartbeat, Message
-from ..wire import Payload, Result, Tell
+from ..wire import (
+    Call,
+    Cancel,
+    Connection,
+    Established,
+    Failure,
+    Goodbye,
+    Heartbeat,
+    Message,
+    Payload,
+    Result,
+    Tell,
+)
 from . import _current
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool
+from ._trace import Tracer, now_us
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
 from ._transport import LoopbackPeer, PeerProtocol
 
@@ -87,10 +99,13 @@ class Worker:
         self._pool = ThreadPool(self.loop, options.num_worker_threads, f"actorgrad-{name}")
         self._context = contextvars.copy_context()
         self._context.run(_current.current_worker.set, self)
+        self.tracer = Tracer(rank, name, options.trace)
         self._loopback = LoopbackPeer(self)
         self.extensions: dict[str, Any] = {}  # actors of the layers above, by name
         self.register("runtime.done", self._on_peer_done)
         self.register("runtime.ping", lambda peer, payload: Payload.dump(None))
+        self.register("trace.set", self._on_trace_set)
+        self.register("trace.collect", lambda peer, payload: Payload.dump(self.tracer.take()))
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -261,7 +276,19 @@ class Worker:
         finally:
             _current.current_worker.reset(token)
 
+    def _on_trace_set(self, peer: PeerProtocol, payload: Payload) -> None:
+        self.tracer.enabled = bool(payload.load())
+
     def _serve_call(self, peer: PeerProtocol, msg: Call) -> None:
+        if self.tracer.enabled:
+            start = now_us()
+            self._serve_call_untraced(peer, msg)
+            self.tracer.complete(f"serve {msg.target}", "rpc", start,
+                                 {"from": peer.name, "request": msg.request_id})
+            return
+        self._serve_call_untraced(peer, msg)
+
+    def _serve_call_untraced(self, peer: PeerProtocol, msg: Call) -> None:
         handler = self._handlers.get(msg.target)
         try:
             if handler is None:
@@ -279,6 +306,7 @@ class Worker:
             peer.serving[msg.request_id] = task
 
     async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload]) -> None:
+        start = now_us() if self.tracer.enabled else 0.0
         try:
             result = await reply
             response: Message = Result(request_id=request_id, payload=result)
@@ -290,6 +318,10 @@ class Worker:
             response = Failure(request_id=request_id, payload=error_payload(exc))
         peer.serving.pop(request_id, None)
         peer.send(response)
+        if start:
+            self.tracer.complete("run remote function", "rpc", start,
+                                 {"from": peer.name, "request": request_id,
+                                  "ok": isinstance(response, Result)})
 
     def _serve_tell(self, peer: PeerProtocol, msg: Tell) -> None:
         handler = self._handlers.get(msg.target)
@@ -352,7 +384,13 @@ class Worker:
         limit = self.options.rpc_timeout if timeout is None else timeout
         timer = self.loop.call_later(limit, self._expire, request_id, limit) if limit > 0 else None
 
+        start = now_us() if self.tracer.enabled else 0.0
+
         def done(fut: asyncio.Future[Payload]) -> None:
+            if start:
+                self.tracer.complete(f"call {target}", "rpc", start,
+                                     {"to": peer.name, "request": request_id,
+                                      "bytes": payload.nbytes})
             if timer is not None:
                 timer.cancel()
             peer.outstanding.discard(request_id)
@@ -473,7 +511,7 @@ class Worker:
         _current.unregister(self)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-        for request_id, (future, peer) in list(self._pending.items()):
+        for future, peer in list(self._pending.values()):
             if not future.done():
                 future.set_exception(WorkerLost(peer.name or "?", f"{self.name} shut down"))
         self._pending.clear()

@@ -114,7 +114,7 @@ class LocalGroup:
         _current.set_default(None)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
-            while proc.poll() is None and time.monotonic() < deadline:
+            while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a child
                 await asyncio.sleep(0.05)
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -139,8 +139,8 @@ async def local_group(
     child_env["PYTHONUNBUFFERED"] = "1"
     processes = []
     for rank in range(1, world_size):
-        log = open(os.path.join(logdir, f"worker{rank}.log"), "wb")  # noqa: SIM115
-        processes.append(subprocess.Popen(
+        log = open(os.path.join(logdir, f"worker{rank}.log"), "wb")  # noqa: SIM115, ASYNC230
+        processes.append(subprocess.Popen(  # noqa: ASYNC220 - starting, not waiting
             [sys.executable, "-m", "actorgrad.testing._serve", str(rank), str(world_size),
              f"tcp://127.0.0.1:{port}", str(os.getpid())],
             stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,

@@ -1,26 +1,47 @@
 """Payload codec: Python objects to a pickle body plus raw tensor buffers, and back.
 
 # Theory of operation
-A payload is pickled with protocol 5 (cloudpickle, so lambdas and closures travel). Every
-``torch.Tensor`` inside it is replaced by a small descriptor (buffer index, dtype name,
-shape, requires_grad) through the pickle persistent-id mechanism; its bytes travel as a
-separate buffer of the frame, written straight from the tensor's memory and received
-straight into a freshly allocated tensor. No tensor byte goes through the pickler.
+A payload is pickled with protocol 5 by cloudpickle, so lambdas, closures and anything
+defined in ``__main__`` travel by value. Two hot spots of cloudpickle are shortcut
+without changing its output: the "is this function/class importable by reference on
+the other side?" test is remembered per object (and forgotten whenever a module is
+registered for pickling by value), and its reducer table is a dict instead of a
+``ChainMap``.
 
-The tensors are kept in order on both sides (``Payload.tensors``): the autograd layer
-pairs the ones that require grad into send/recv entries.
+Every ``torch.Tensor`` (or ``nn.Parameter``) inside a payload is replaced by a small
+descriptor through the pickle persistent-id mechanism::
+
+    (where, dtype name, shape, requires_grad, is_parameter)
+
+``where`` is either
+
+* an ``int``: the index of an out-of-band buffer of the frame. The tensor's bytes are
+  written straight from its memory and received straight into a freshly allocated
+  tensor; no byte goes through the pickler. Used above ``INBAND_MAX_BYTES``.
+* a ``bytes`` object: the tensor's C-order bytes themselves, inside the pickle. Small
+  tensors travel this way: a separate buffer costs far more per tensor (allocation,
+  views, one more write piece) than copying a few KiB.
+
+``Payload.tensors`` lists every tensor object met while pickling, in pickling order:
+the originals on the sending side; on the receiving side the rebuilt tensors, each a
+fresh leaf with ``requires_grad`` preserved. The autograd layer pairs the ones that
+require grad into send/recv entries.
 """
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
+import types
 from typing import Any
 
 import cloudpickle
 import torch
 
 from .._errors import ProtocolError
+
+INBAND_MAX_BYTES = 8 << 10  # tensors up to this size travel inside the pickle body
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -30,43 +51,112 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.int32, torch.int64, torch.bool,
     )
 }  # fmt: skip
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
 
 _EMPTY = memoryview(b"")
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_strided = torch.strided
+_uint8 = torch.uint8
+_FunctionType = types.FunctionType
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A byte view of a CPU, contiguous copy-free version of ``tensor``'s data."""
-    data = tensor.detach()
+    data = tensor.detach() if tensor.requires_grad else tensor
+    if data.is_contiguous():
+        try:  # fast path: a contiguous CPU tensor without conj/neg bit, of a numpy dtype
+            return memoryview(data.numpy()).cast("B")
+        except (RuntimeError, TypeError, ValueError):
+            pass
     if data.device.type != "cpu":
         data = data.cpu()
     data = data.resolve_conj().resolve_neg().contiguous()
     if data.numel() == 0:
         return _EMPTY
     # numpy keeps a reference to the tensor, so the memory outlives the send.
-    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(data.reshape(-1).view(_uint8).numpy())
+
+
+def _inband_bytes(tensor: torch.Tensor) -> bytes:
+    """The C-order bytes of a small tensor as one bytes object."""
+    data = tensor.detach() if tensor.requires_grad else tensor
+    try:  # numpy copes with any strides; it refuses conj/neg bits, bfloat16, non-CPU
+        return data.numpy().tobytes()
+    except (RuntimeError, TypeError):
+        return bytes(_tensor_bytes(data))
+
+
+# -- pickling ----------------------------------------------------------------------
+try:
+    from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES as _BY_VALUE_MODULES
+except ImportError:  # pragma: no cover - other cloudpickle versions: no memo
+    _BY_VALUE_MODULES = None
+
+_BY_REFERENCE: dict[Any, None] = {}  # functions/classes cloudpickle pickles by reference
+_BY_REFERENCE_MAX = 4096
+_by_value_seen = [-1]  # len(_BY_VALUE_MODULES) when the memo was last valid
+
+
+class _ReducerTable(dict):  # type: ignore[type-arg]
+    """cloudpickle's reducers, then ``copyreg``'s (live): a ChainMap the C pickler reads
+    without a Python call per lookup that hits."""
+
+    def __missing__(self, key: Any) -> Any:
+        return copyreg.dispatch_table[key]
+
+
+_REDUCERS = _ReducerTable(getattr(cloudpickle.Pickler, "_dispatch_table", {}))
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+    if getattr(cloudpickle.Pickler, "_dispatch_table", None) is not None:
+        dispatch_table = _REDUCERS
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], buffers: list[memoryview]) -> None:
         super().__init__(file, protocol=5)
         self._tensors = tensors
+        self._buffers = buffers
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
-            if obj.layout is not torch.strided or obj.is_quantized or obj.dtype not in _DTYPES.values():
-                return None  # torch's own (in-band) pickling handles the exotic ones
-            index = len(self._tensors)
-            self._tensors.append(obj)
-            return (
-                index,
-                str(obj.dtype).removeprefix("torch."),
-                tuple(obj.shape),
-                obj.requires_grad,
-                type(obj) is torch.nn.Parameter,
-            )
+        cls = type(obj)
+        if cls is _Tensor or cls is _Parameter:
+            return _describe(obj, cls, self._tensors, self._buffers)
         return None
 
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is _FunctionType or cls is type:
+            if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
+                return NotImplemented
+            reduced = super().reducer_override(obj)
+            if reduced is NotImplemented and _BY_VALUE_MODULES is not None:
+                if len(_BY_VALUE_MODULES) != _by_value_seen[0] or len(_BY_REFERENCE) >= _BY_REFERENCE_MAX:
+                    _BY_REFERENCE.clear()
+                    _by_value_seen[0] = len(_BY_VALUE_MODULES)
+                _BY_REFERENCE[obj] = None
+            return reduced
+        if issubclass(cls, type):
+            return super().reducer_override(obj)
+        return NotImplemented  # what cloudpickle does for everything else
 
+
+def _describe(obj: torch.Tensor, cls: type, tensors: list[torch.Tensor], buffers: list[memoryview]) -> Any:
+    """The persistent id of tensor ``obj`` (None: torch pickles it in-band itself)."""
+    name = _DTYPE_NAMES.get(obj.dtype)
+    if name is None or obj.layout is not _strided or obj.is_quantized:
+        return None  # torch's own (in-band) pickling handles the exotic ones
+    tensors.append(obj)
+    if obj.nbytes <= INBAND_MAX_BYTES:
+        where: int | bytes = _inband_bytes(obj)
+    else:
+        where = len(buffers)
+        buffers.append(_tensor_bytes(obj))
+    return (where, name, tuple(obj.shape), obj.requires_grad, cls is _Parameter)
+
+
+# -- unpickling --------------------------------------------------------------------
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, buffers: list[torch.Tensor]) -> None:
         super().__init__(file)
@@ -75,24 +165,47 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         try:
-            index, dtype_name, shape, requires_grad, is_param = pid
+            where, dtype_name, shape, requires_grad, is_param = pid
             dtype = _DTYPES[dtype_name]
-            raw = self._buffers[index]
-            shape = tuple(int(s) for s in shape)
-        except (TypeError, ValueError, KeyError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError) as exc:
             raise ProtocolError(f"malformed tensor descriptor {pid!r}") from exc
+        if type(shape) is not tuple:
+            raise ProtocolError(f"malformed tensor descriptor {pid!r}")
         numel = 1
         for s in shape:
+            if type(s) is not int:
+                raise ProtocolError(f"malformed tensor descriptor {pid!r}")
             if s < 0:
                 raise ProtocolError(f"negative tensor dimension in {shape}")
             numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if numel * itemsize != raw.numel():
-            raise ProtocolError(
-                f"tensor of shape {shape} and dtype {dtype_name} needs {numel * itemsize} "
-                f"bytes, the frame carries {raw.numel()}"
-            )
-        tensor = torch.empty(shape, dtype=dtype) if numel == 0 else raw.view(dtype).reshape(shape)
+        nbytes = numel * _ITEMSIZE[dtype]
+        if type(where) is bytes:
+            if nbytes != len(where):
+                raise ProtocolError(
+                    f"tensor of shape {shape} and dtype {dtype_name} needs {nbytes} "
+                    f"bytes, the descriptor carries {len(where)}"
+                )
+            flat = torch.frombuffer(bytearray(where), dtype=dtype) if numel else None
+        elif type(where) is int:
+            if not 0 <= where < len(self._buffers):
+                raise ProtocolError(f"malformed tensor descriptor {pid!r}: no buffer {where}")
+            raw = self._buffers[where]
+            if nbytes != raw.numel():
+                raise ProtocolError(
+                    f"tensor of shape {shape} and dtype {dtype_name} needs {nbytes} "
+                    f"bytes, the frame carries {raw.numel()}"
+                )
+            flat = raw.view(dtype) if numel else None
+        else:
+            raise ProtocolError(f"malformed tensor descriptor {pid!r}")
+        if flat is None:
+            tensor = torch.empty(shape, dtype=dtype)
+        elif len(shape) == 1:
+            tensor = flat
+        elif shape:
+            tensor = flat.view(*shape)
+        else:
+            tensor = flat.reshape(())
         if is_param:
             tensor = torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
         elif requires_grad:
@@ -104,9 +217,10 @@ class _Unpickler(pickle.Unpickler):
 class Payload:
     """The pickled body and tensor buffers of one data message.
 
-    On the sending side ``dump`` fills ``body``, ``buffers`` and ``tensors`` (the
-    originals). On the receiving side the decoder fills ``body`` and ``raw`` (uint8
-    tensors holding the received bytes); ``load()`` rebuilds the object and fills
+    On the sending side ``dump`` fills ``body``, ``buffers`` (zero-copy byte views of
+    the tensors that travel out of band) and ``tensors`` (every tensor of the object,
+    the originals). On the receiving side the decoder fills ``body`` and ``raw`` (uint8
+    tensors holding the received buffers); ``load()`` rebuilds the object and fills
     ``tensors`` with the rebuilt tensors, in the same order as the sender's.
     """
 
@@ -120,13 +234,14 @@ class Payload:
 
     @classmethod
     def dump(cls, obj: Any) -> Payload:
-        """Pickle ``obj``; tensors become descriptors plus zero-copy byte views."""
+        """Pickle ``obj``; tensors become descriptors (plus zero-copy byte views)."""
         tensors: list[torch.Tensor] = []
+        buffers: list[memoryview] = []
         file = io.BytesIO()
-        _Pickler(file, tensors).dump(obj)
-        payload = cls(file.getbuffer())
+        _Pickler(file, tensors, buffers).dump(obj)
+        payload = cls(file.getvalue())
         payload.tensors = tensors
-        payload.buffers = [_tensor_bytes(t) for t in tensors]
+        payload.buffers = buffers
         return payload
 
     def load(self) -> Any:

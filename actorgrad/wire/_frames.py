@@ -35,28 +35,43 @@ MAGIC = b"AGRD"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<4sBBHQQI")
 LENGTH = struct.Struct("<Q")
+_HEADER_SIZE = HEADER.size
+_HEADER_PACK = HEADER.pack
+_HEADER_UNPACK = HEADER.unpack_from
 DEFAULT_MAX_FRAME_SIZE = 4 << 30
 DEFAULT_MAX_BUFFERS = 4096
 _STAGING_BYTES = 256 << 10
 _DIRECT_MIN_BYTES = 64 << 10  # read larger remainders straight into tensor memory
-_HUGE_PAGE_MIN_BYTES = 4 << 20
+_HUGE_PAGE_MIN_BYTES = 2 << 20
+_HUGE_PAGE = 2 << 20
+_MAP_PRIVATE_ANON = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) or None
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 _JOIN_MAX_BYTES = 16 << 10
 
 
 def allocate_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor for ``nbytes`` received bytes.
 
-    Large buffers come from an anonymous mmap advised to use transparent huge pages:
-    first-touch page faults otherwise cap receive bandwidth near memcpy-into-fresh-memory
-    speed (about 1 GB/s on small VMs).
+    Large buffers come from a *private* anonymous mmap advised to use transparent huge
+    pages: first-touch page faults otherwise cap receive bandwidth near
+    memcpy-into-fresh-memory speed (about 1 GB/s on small VMs), while one 2 MiB huge
+    page costs one fault instead of 512. ``mmap.mmap(-1, n)`` alone would be MAP_SHARED,
+    i.e. shmem, which THP ignores (``shmem_enabled``) and which faults even slower.
+    The length is rounded up to whole huge pages, so the kernel aligns the mapping.
     """
-    if nbytes >= _HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        region = mmap.mmap(-1, nbytes)
+    if nbytes >= _HUGE_PAGE_MIN_BYTES and _MAP_PRIVATE_ANON is not None:
+        length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
         try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-        return torch.frombuffer(region, dtype=torch.uint8)
+            region = mmap.mmap(-1, length, flags=_MAP_PRIVATE_ANON)
+        except (OSError, ValueError):
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if _MADV_HUGEPAGE is not None:
+            try:
+                region.madvise(_MADV_HUGEPAGE)
+            except OSError:
+                pass
+        tensor = torch.frombuffer(region, dtype=torch.uint8)
+        return tensor[:nbytes] if length != nbytes else tensor
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -66,14 +81,21 @@ def encode_frame(
     body: bytes | bytearray | memoryview,
     buffers: list[memoryview] | tuple[()] = (),
 ) -> list[bytes | bytearray | memoryview]:
-    """The pieces of one frame, ready for ``transport.writelines``."""
-    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, request_id, len(body), len(buffers))
-    if buffers:
-        header += b"".join(LENGTH.pack(b.nbytes) for b in buffers)
-        if len(body) + sum(b.nbytes for b in buffers) < _JOIN_MAX_BYTES:
-            return [b"".join([header, body, *buffers])]  # one write for small frames
-        return [header, body, *buffers]
-    return [header + bytes(body)] if len(body) < _JOIN_MAX_BYTES else [header, body]
+    """The pieces of one frame, ready for ``transport.writelines``.
+
+    Small frames come as one ``bytes`` (one write, one segment); large pieces are
+    passed through as they are (zero-copy: the transport writes from their memory).
+    """
+    size = len(body)
+    if not buffers:
+        header = _HEADER_PACK(MAGIC, PROTOCOL_VERSION, kind, 0, request_id, size, 0)
+        return [header + body] if size < _JOIN_MAX_BYTES else [header, body]
+    lengths = [b.nbytes for b in buffers]
+    header = _HEADER_PACK(MAGIC, PROTOCOL_VERSION, kind, 0, request_id, size, len(buffers))
+    header += struct.pack(f"<{len(lengths)}Q", *lengths)
+    if size + sum(lengths) < _JOIN_MAX_BYTES:
+        return [b"".join([header, body, *buffers])]  # one write for small frames
+    return [header, body, *buffers]
 
 
 @dataclass(slots=True)
@@ -104,14 +126,14 @@ class FrameDecoder:
         self._start = 0  # first unconsumed byte in staging
         self._end = 0  # end of received bytes in staging
         self._frames: deque[Frame] = deque()
-        # the frame being assembled
-        self._header: tuple[int, int, int, int] | None = None  # kind, request, body, nbuf
-        self._lengths: list[int] = []
+        # the frame being assembled (the slow path: frames larger than what is staged)
+        self._header: tuple[int, int] | None = None  # kind, request id
         self._body = bytearray()
         self._buffers: list[torch.Tensor] = []
-        self._part = -1  # -1: body, i >= 0: buffer i
+        self._targets: list[memoryview] = []  # memory of each part still to fill, in order
+        self._part = 0  # index into _targets
         self._filled = 0  # bytes filled in the current part
-        self._direct: memoryview | None = None  # handed out by get_buffer
+        self._direct = False  # the last get_buffer handed out part memory
         self._error: ProtocolError | None = None
 
     # -- feeding -------------------------------------------------------------------
@@ -120,11 +142,11 @@ class FrameDecoder:
         if self._error is not None:
             return self._view[self._end :] if self._end < len(self._staging) else memoryview(bytearray(1))
         if self._header is not None and self._start == self._end:
-            target = self._current_target()
-            if target is not None and len(target) - self._filled >= _DIRECT_MIN_BYTES:
-                self._direct = target[self._filled :]
-                return self._direct
-        self._direct = None
+            target = self._targets[self._part]
+            if len(target) - self._filled >= _DIRECT_MIN_BYTES:
+                self._direct = True
+                return target[self._filled :]
+        self._direct = False
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._staging) - self._end < 4096:
@@ -138,13 +160,13 @@ class FrameDecoder:
         """``nbytes`` were written into the memory returned by the last ``get_buffer``."""
         if self._error is not None:
             return
-        if self._direct is not None:
-            self._direct = None
-            self._filled += nbytes
-            self._advance_part()
-        else:
-            self._end += nbytes
         try:
+            if self._direct:
+                self._direct = False
+                self._filled += nbytes
+                self._advance_part()
+            else:
+                self._end += nbytes
             self._parse()
         except ProtocolError as exc:
             self._error = exc
@@ -178,37 +200,35 @@ class FrameDecoder:
         return self._header is not None or self._end > self._start
 
     # -- parsing -------------------------------------------------------------------
-    def _current_target(self) -> memoryview | None:
-        if self._part < 0:
-            return memoryview(self._body) if self._body else None
-        if self._part < len(self._buffers):
-            return memoryview(self._buffers[self._part].numpy())
-        return None
-
     def _parse(self) -> None:
+        staging = self._staging
         while True:
+            start, end = self._start, self._end
             if self._header is None:
-                if not self._parse_header():
+                if end - start < _HEADER_SIZE:
                     return
+                kind, request_id, body_len, nbuf = self._check_header(start)
+                body_start = start + _HEADER_SIZE
+                if nbuf == 0 and body_start + body_len <= end:
+                    # fast path: a whole buffer-less frame is staged
+                    self._start = body_start + body_len
+                    self._frames.append(Frame(kind, request_id, staging[body_start : self._start], []))
+                    continue
+                if not self._begin_frame(start, kind, request_id, body_len, nbuf):
+                    return  # the buffer lengths are not all here yet
             else:
-                available = self._end - self._start
+                available = end - start
                 if available == 0:
                     return
-                target = self._current_target()
-                assert target is not None
+                target = self._targets[self._part]
                 n = min(available, len(target) - self._filled)
-                target[self._filled : self._filled + n] = self._view[self._start : self._start + n]
-                self._start += n
+                target[self._filled : self._filled + n] = self._view[start : start + n]
+                self._start = start + n
                 self._filled += n
                 self._advance_part()
 
-    def _parse_header(self) -> bool:
-        available = self._end - self._start
-        if available < HEADER.size:
-            return False
-        magic, version, kind, flags, request_id, body_len, nbuf = HEADER.unpack_from(
-            self._staging, self._start
-        )
+    def _check_header(self, start: int) -> tuple[int, int, int, int]:
+        magic, version, kind, flags, request_id, body_len, nbuf = _HEADER_UNPACK(self._staging, start)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {bytes(magic)!r} (not an actorgrad peer?)")
         if version != PROTOCOL_VERSION:
@@ -223,43 +243,43 @@ class FrameDecoder:
             raise ProtocolError(f"frame has {nbuf} buffers, the limit is {self.max_buffers}")
         if body_len > self.max_frame_size:
             raise ProtocolError(f"frame body of {body_len} bytes exceeds max_frame_size")
-        need = HEADER.size + LENGTH.size * nbuf
-        if available < need:
+        return kind, request_id, body_len, nbuf
+
+    def _begin_frame(self, start: int, kind: int, request_id: int, body_len: int, nbuf: int) -> bool:
+        need = _HEADER_SIZE + LENGTH.size * nbuf
+        if self._end - start < need:
             if need > len(self._staging):
                 raise ProtocolError("frame header too large")
             return False
-        lengths = [
-            LENGTH.unpack_from(self._staging, self._start + HEADER.size + LENGTH.size * i)[0]
-            for i in range(nbuf)
-        ]
+        lengths = struct.unpack_from(f"<{nbuf}Q", self._staging, start + _HEADER_SIZE) if nbuf else ()
         total = body_len + sum(lengths)
         if total > self.max_frame_size:
             raise ProtocolError(
                 f"frame of {total} bytes exceeds max_frame_size={self.max_frame_size}"
             )
-        self._start += need
-        self._header = (kind, request_id, body_len, nbuf)
-        self._lengths = lengths
+        self._start = start + need
+        self._header = (kind, request_id)
         self._body = bytearray(body_len)
         self._buffers = [allocate_buffer(n) for n in lengths]
-        self._part, self._filled = -1, 0
+        self._targets = [memoryview(self._body)]
+        self._targets += [memoryview(b.numpy()) for b in self._buffers]
+        self._part, self._filled = 0, 0
         self._advance_part()
         return True
 
     def _advance_part(self) -> None:
         """Move past completed parts; emit the frame when all parts are complete."""
-        assert self._header is not None
-        while True:
-            size = len(self._body) if self._part < 0 else self._lengths[self._part]
-            if self._filled < size:
-                return
+        targets = self._targets
+        while self._filled >= len(targets[self._part]):
             self._part += 1
             self._filled = 0
-            if self._part >= len(self._lengths):
-                kind, request_id, _, _ = self._header
+            if self._part == len(targets):
+                assert self._header is not None
+                kind, request_id = self._header
                 self._frames.append(Frame(kind, request_id, self._body, self._buffers))
                 self._header = None
                 self._body = bytearray()
                 self._buffers = []
-                self._lengths = []
+                self._targets = []
+                self._part = 0
                 return

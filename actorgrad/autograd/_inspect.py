@@ -1,0 +1,175 @@
+"""The distributed autograd graph of a context, as data and as a Graphviz picture.
+
+Each worker describes its share: the autograd nodes reachable from its send entries
+(and from given roots), its recv leaves, and how many gradient edges enter each node
+(the dependency counts of the FAST-mode plan). Send and recv entries with the same
+message id are joined across workers: the edge that gradients travel over RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..runtime import Worker, get_worker
+from ..wire import Payload
+from ._context import context_actor
+from ._plan import make_plan
+
+_TARGET = "autograd.describe"
+
+
+@dataclass
+class DistGraph:
+    """Nodes (per worker) and edges of a context's distributed autograd graph.
+
+    ``nodes``: id -> {"worker", "label", "kind" ("op", "leaf", "recv", "send", "root"),
+    "deps"}; ``edges``: (from, to, kind) in the direction gradients flow; kind "rpc" for
+    the send/recv joins between workers.
+    """
+
+    context_id: int
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    edges: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT: one cluster per worker, RPC edges dashed."""
+        lines = [f'digraph "context {self.context_id}" {{', "  rankdir=TB;",
+                 '  node [fontname="Helvetica", fontsize=10];']
+        shapes = {"op": "box", "leaf": "ellipse", "recv": "invhouse", "send": "house", "root": "doubleoctagon"}
+        colors = {"op": "white", "leaf": "lightblue", "recv": "khaki", "send": "palegreen", "root": "salmon"}
+        workers = sorted({n["worker"] for n in self.nodes.values()})
+        for i, worker in enumerate(workers):
+            lines.append(f'  subgraph "cluster_{i}" {{')
+            lines.append(f'    label="{worker}"; style=rounded; color=gray;')
+            for node_id, node in self.nodes.items():
+                if node["worker"] != worker:
+                    continue
+                deps = f"\\n({node['deps']})" if node.get("deps") is not None else ""
+                lines.append(
+                    f'    "{node_id}" [label="{node["label"]}{deps}", shape={shapes[node["kind"]]}, '
+                    f'style=filled, fillcolor={colors[node["kind"]]}];'
+                )
+            lines.append("  }")
+        for src, dst, kind in self.edges:
+            style = ' [style=dashed, color=blue, label="rpc"]' if kind == "rpc" else ""
+            lines.append(f'  "{src}" -> "{dst}"{style};')
+        lines.append("}")
+        return "\n".join(lines)
+
+    def render(self, path: str, format: str = "png") -> str:
+        """Write the picture with Graphviz's ``dot`` (when installed); returns ``path``."""
+        dot = shutil.which("dot")
+        if dot is None:
+            raise RuntimeError("Graphviz `dot` is not installed; use to_dot() and render elsewhere")
+        subprocess.run([dot, f"-T{format}", "-o", path], input=self.to_dot().encode(), check=True)
+        return path
+
+
+def _message_label(message_id: int) -> str:
+    """``rank.counter``: the worker that minted the id and its sequence number."""
+    return f"{message_id >> 48}.{message_id & ((1 << 48) - 1)}"
+
+
+def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
+    """This worker's share of the graph as plain data (sent to the collecting worker)."""
+    ctx = context_actor(worker).get(context_id)
+    me = worker.name
+    starts: dict[Hashable, Sequence[torch.Tensor]] = {("send", m): e.tensors for m, e in ctx.sends.items()}
+    if roots:
+        starts[("roots",)] = list(roots)
+    plan = make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
+    ids: dict[Any, str] = {}
+    nodes: dict[str, dict[str, Any]] = {}
+    edges: list[tuple[str, str, str]] = []
+
+    def node_id(node: Any) -> str:
+        if node not in ids:
+            ids[node] = f"{me}:{len(ids)}"
+            variable = getattr(node, "variable", None)
+            where = ctx.recv_of_leaf.get(id(variable)) if variable is not None else None
+            if where is not None:
+                label, kind = f"recv {_message_label(where[0])}", "recv"
+            elif variable is not None:
+                label, kind = f"leaf {tuple(variable.shape)}", "leaf"
+            else:
+                label, kind = node.name(), "op"
+            nodes[ids[node]] = {"worker": me, "label": label, "kind": kind,
+                                "deps": plan.indegree.get(node), "message": where[0] if where else None}
+        return ids[node]
+
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for key, tensors in starts.items():
+        if key[0] == "send":
+            start_id = f"{me}:send{key[1]}"
+            nodes[start_id] = {"worker": me, "label": f"send {_message_label(key[1])}", "kind": "send",
+                               "deps": None, "message": key[1]}
+        else:
+            start_id = f"{me}:roots"
+            nodes[start_id] = {"worker": me, "label": "roots", "kind": "root", "deps": None, "message": None}
+        for tensor in tensors:
+            if not tensor.requires_grad:
+                continue
+            node = tensor.grad_fn
+            if node is None:
+                node = torch.autograd.graph.get_gradient_edge(tensor).node
+            edges.append((start_id, node_id(node), "local"))
+            if node not in seen:
+                seen.add(node)
+                stack.append(node)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            edges.append((node_id(node), node_id(child), "local"))
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return {"nodes": nodes, "edges": edges, "peers": sorted(ctx.peers)}
+
+
+def install(worker: Worker) -> None:
+    def describe(peer: Any, payload: Payload) -> Payload:
+        return Payload.dump(describe_local(worker, payload.load()))
+
+    worker.register(_TARGET, describe)
+
+
+async def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> DistGraph:
+    """Collect the context's graph from every worker that took part (transitively).
+
+    Pass ``roots`` (e.g. ``[loss]``) to include the part of this worker's graph that
+    only the loss reaches.
+    """
+    worker = get_worker()
+    result = DistGraph(context_id)
+    parts = {worker.rank: describe_local(worker, context_id, roots)}
+    frontier = set(parts[worker.rank]["peers"]) - set(parts)
+    while frontier:
+        ranks = sorted(frontier)
+        replies = await asyncio.gather(
+            *(worker.call(r, _TARGET, Payload.dump(context_id)) for r in ranks), return_exceptions=True
+        )
+        for rank, reply in zip(ranks, replies, strict=True):
+            parts[rank] = reply.load() if not isinstance(reply, BaseException) else {"nodes": {}, "edges": [], "peers": []}
+        frontier = {p for part in parts.values() for p in part["peers"]} - set(parts)
+    by_message: dict[int, dict[str, list[str]]] = {}
+    for part in parts.values():
+        result.nodes.update(part["nodes"])
+        result.edges.extend(tuple(e) for e in part["edges"])
+        for node_id, node in part["nodes"].items():
+            if node["message"] is not None and node["kind"] in ("recv", "send"):
+                by_message.setdefault(node["message"], {}).setdefault(node["kind"], []).append(node_id)
+    for ends in by_message.values():
+        for recv in ends.get("recv", []):
+            for send in ends.get("send", []):
+                result.edges.append((recv, send, "rpc"))
+    return result

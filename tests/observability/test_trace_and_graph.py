@@ -1,0 +1,75 @@
+"""Traces (Chrome-trace JSON from every worker) and the distributed graph picture."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import actorgrad as ag
+
+
+def my_add(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+    return torch.add(t1, t2)
+
+
+async def seed_example() -> tuple[int, torch.Tensor]:
+    t1 = torch.rand(3, 3, requires_grad=True)
+    t2 = torch.rand(3, 3, requires_grad=True)
+    t4 = torch.rand(3, 3, requires_grad=True)
+    t3 = await ag.rpc_async("worker1", my_add, args=(t1, t2))
+    return 0, (t3 * t4).sum()
+
+
+async def test_trace_records_rpc_and_backward_on_every_worker(group3, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    x = torch.rand(4, requires_grad=True)
+    with ag.trace():
+        async with ag.autograd.context() as cid:
+            y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))
+            z = await ag.rpc_async("worker2", torch.sin, args=(y,))
+            await ag.autograd.backward(cid, [z.sum()])
+    untraced = await ag.rpc_async("worker1", torch.add, args=(x, 1))  # after the block: not recorded
+    assert untraced is not None
+    path = tmp_path / "trace.json"
+    written = await ag.export_trace(str(path))
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    assert written == len(events)
+    for event in events:
+        assert {"name", "ph", "pid", "tid"} <= event.keys()
+        if event["ph"] == "X":
+            assert isinstance(event["ts"], float) and event["dur"] > 0
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {0: "worker0 (rank 0)", 1: "worker1 (rank 1)", 2: "worker2 (rank 2)"}
+    by_worker = {r: {e["name"] for e in events if e["pid"] == r and e["ph"] != "M"} for r in range(3)}
+    assert "call rpc.call" in by_worker[0]
+    for rank in (1, 2):
+        assert "serve rpc.call" in by_worker[rank]
+        assert "backward job" in by_worker[rank]
+        assert "serve autograd.propagate" in by_worker[rank]
+    assert "SinBackward0" in by_worker[2] and "MulBackward0" in by_worker[1]
+    calls = [e for e in events if e["pid"] == 0 and e["name"] == "call rpc.call"]
+    assert len(calls) == 2  # the call after the block was not recorded
+
+
+async def test_graph_joins_send_and_recv_across_workers(group2) -> None:  # type: ignore[no-untyped-def]
+    t1 = torch.rand(3, 3, requires_grad=True)
+    t2 = torch.rand(3, 3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        t3 = await ag.rpc_async("worker1", my_add, args=(t1, t2))
+        loss = (t3 * t2).sum()
+        graph = await ag.autograd.graph(cid, roots=[loss])
+    kinds = [(n["worker"], n["kind"]) for n in graph.nodes.values()]
+    assert kinds.count(("worker0", "send")) == 1 and kinds.count(("worker1", "send")) == 1
+    assert kinds.count(("worker1", "recv")) == 2 and kinds.count(("worker0", "recv")) == 1
+    assert ("worker0", "root") in kinds
+    rpc_edges = [(s, d) for s, d, k in graph.edges if k == "rpc"]
+    assert len(rpc_edges) == 3
+    for src, dst in rpc_edges:
+        assert graph.nodes[src]["kind"] == "recv" and graph.nodes[dst]["kind"] == "send"
+        assert graph.nodes[src]["worker"] != graph.nodes[dst]["worker"]
+    # t2 feeds both the send to worker1 and the local multiplication: two dependencies
+    leaves = [n for n in graph.nodes.values() if n["kind"] == "leaf"]
+    assert sorted(n["deps"] for n in leaves) == [1, 2]
+    dot = graph.to_dot()
+    assert dot.startswith("digraph") and dot.count("subgraph") == 2 and "style=dashed" in dot
