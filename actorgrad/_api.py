@@ -121,16 +121,4 @@ async def export_trace(path: str) -> int:
     Open it in Perfetto (ui.perfetto.dev) or chrome://tracing. Returns the number of
     events written. Workers that are gone are left out.
     """
-    import json
-
-    from .wire import Payload
-
-    worker = get_worker()
-    events = list(worker.tracer.take())
-    replies = [worker.call(rank, "trace.collect", Payload.dump(None)) for rank in list(worker.peers)]
-    for reply in await asyncio.gather(*replies, return_exceptions=True):
-        if not isinstance(reply, BaseException):
-            events.extend(reply.load())
-    with open(path, "w") as f:  # noqa: ASYNC230 - one write at the end of a run
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    return len(events)
+    return await get_worker().export_trace(path)

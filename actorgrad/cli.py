@@ -130,6 +130,13 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="port of rank 0 (default: pick a free port)",
     )
+    launch_p.add_argument(
+        "--trace",
+        default=None,
+        metavar="OUT.json",
+        help="record RPC and backward events on every rank; rank 0 writes one merged "
+        "Chrome-trace JSON to this path when it shuts down",
+    )
     launch_p.add_argument("script", metavar="SCRIPT", help="Python script to run in every rank")
     launch_p.add_argument(
         "script_args",
@@ -514,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "launch":
+        if args.trace:
+            os.environ["ACTORGRAD_TRACE"] = os.path.abspath(args.trace)
         return launch(
             script=args.script,
             script_args=list(args.script_args),

@@ -27,6 +27,7 @@ class StoreServer:
         self._data: dict[str, str] = {}
         self._changed = asyncio.Event()
         self._server: asyncio.Server | None = None
+        self._clients: set[asyncio.StreamWriter] = set()
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._serve, host, port, limit=_MAX_LINE)
@@ -34,10 +35,13 @@ class StoreServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._clients):
+                writer.close()  # their handlers see EOF and end, instead of being cancelled
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.add(writer)
         try:
             while line := await reader.readline():
                 request = json.loads(line)
@@ -59,6 +63,7 @@ class StoreServer:
         except (ValueError, KeyError, TypeError, ConnectionError, asyncio.LimitOverrunError):
             pass  # a malformed or vanished client: drop it, keep serving the others
         finally:
+            self._clients.discard(writer)
             writer.close()
 
     def _items(self, prefix: str) -> dict[str, str]:

@@ -470,6 +470,18 @@ class Worker:
                 elif peer.outstanding and silent > self.options.heartbeat_timeout:
                     peer.abort(f"no message for {silent:.1f}s (heartbeat timeout)")
 
+    # -- observability --------------------------------------------------------------
+    async def export_trace(self, path: str) -> int:
+        """Merge every reachable worker's events into one Chrome-trace JSON at ``path``."""
+        events = list(self.tracer.take())
+        replies = [self.call(rank, "trace.collect", Payload.dump(None)) for rank in list(self.peers)]
+        for reply in await asyncio.gather(*replies, return_exceptions=True):
+            if not isinstance(reply, BaseException):
+                events.extend(reply.load())
+        with open(path, "w") as f:  # noqa: ASYNC230 - one write at the end of a run
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        return len(events)
+
     # -- shutdown -------------------------------------------------------------------
     def _on_peer_done(self, peer: PeerProtocol, payload: Payload) -> None:
         if peer.rank is not None:
@@ -483,6 +495,12 @@ class Worker:
         self.shutting_down = True
         limit = self.options.shutdown_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
+        trace_path = os.environ.get("ACTORGRAD_TRACE")
+        if graceful and trace_path and self.rank == 0:
+            try:  # the others wait for our "done", so they can still be asked for events
+                await asyncio.wait_for(self.export_trace(trace_path), max(1.0, limit / 2))
+            except Exception as exc:
+                log.warning("%s: could not write the trace to %s: %s", self.name, trace_path, exc)
         if graceful:
             gc.collect()  # dropped RRefs announce themselves before we leave
             await asyncio.sleep(0)
