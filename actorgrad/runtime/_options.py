@@ -40,7 +40,10 @@ class RpcOptions:
             outstanding is declared lost.
         init_timeout / shutdown_timeout: bounds on rendezvous and graceful shutdown.
         max_frame_size: largest frame accepted from a peer, in bytes.
-        ssl_context: optional TLS; used for both listening and connecting.
+        ssl_context: optional TLS for the listening side (an ``ssl.PROTOCOL_TLS_SERVER``
+            context with the worker's certificate).
+        ssl_client_context: TLS for outgoing connections (``ssl.PROTOCOL_TLS_CLIENT``,
+            trusting the peers' certificates); required when ``ssl_context`` is set.
         autograd_mode: default ``mode`` of distributed backward ("fast" or "smart").
         trace: record RPC and backward events for :func:`actorgrad.export_trace`.
     """
@@ -57,6 +60,7 @@ class RpcOptions:
     shutdown_timeout: float = 30.0
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     ssl_context: ssl.SSLContext | None = field(default=None, repr=False)
+    ssl_client_context: ssl.SSLContext | None = field(default=None, repr=False)
     autograd_mode: str = "fast"
     trace: bool = False
 
@@ -65,5 +69,9 @@ class RpcOptions:
             raise ValueError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
         if self.num_worker_threads < 1:
             raise ValueError("num_worker_threads must be >= 1")
+        if (self.ssl_context is None) != (self.ssl_client_context is None):
+            raise ValueError(
+                "TLS needs both ssl_context (listening) and ssl_client_context (connecting)"
+            )
         if self.autograd_mode not in ("fast", "smart"):
             raise ValueError(f"autograd_mode must be 'fast' or 'smart', got {self.autograd_mode!r}")

@@ -202,9 +202,10 @@ class Worker:
         delay = 0.01
         while True:
             try:
+                client_tls = self.options.ssl_client_context
                 _, proto = await self.loop.create_connection(
-                    lambda: self._accept(), address[0], address[1], ssl=self.options.ssl_context,
-                    server_hostname=address[0] if self.options.ssl_context else None,
+                    lambda: self._accept(), address[0], address[1], ssl=client_tls,
+                    server_hostname=address[0] if client_tls else None,
                 )
                 break
             except (ConnectionRefusedError, ConnectionResetError):
