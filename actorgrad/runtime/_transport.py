@@ -23,9 +23,9 @@ log = logging.getLogger("actorgrad.transport")
 class PeerProtocol(asyncio.BufferedProtocol):
     """A connection to one peer; after the handshake it *is* the peer for the worker."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, initiator: bool = False) -> None:
         self.worker = worker
-        self.conn: Connection = worker.new_connection()
+        self.conn: Connection = worker.new_connection(initiator)
         self.transport: asyncio.Transport | None = None
         self.name: str | None = None
         self.rank: int | None = None

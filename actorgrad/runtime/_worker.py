@@ -204,7 +204,7 @@ class Worker:
             try:
                 client_tls = self.options.ssl_client_context
                 _, proto = await self.loop.create_connection(
-                    lambda: self._accept(), address[0], address[1], ssl=client_tls,
+                    lambda: self._accept(initiator=True), address[0], address[1], ssl=client_tls,
                     server_hostname=address[0] if client_tls else None,
                 )
                 break
@@ -213,8 +213,8 @@ class Worker:
                 delay = min(delay * 2, 0.2)
         await proto.established
 
-    def _accept(self) -> PeerProtocol:
-        proto = PeerProtocol(self)
+    def _accept(self, initiator: bool = False) -> PeerProtocol:
+        proto = PeerProtocol(self, initiator)
         self._connections.add(proto)
         # An unauthenticated connection gets a bounded time to finish the handshake.
         self.loop.call_later(self.options.init_timeout, self._handshake_deadline, proto)
@@ -224,10 +224,10 @@ class Worker:
         if not proto.established.done():
             proto.abort(ProtocolError("handshake not completed in time"))
 
-    def new_connection(self) -> Connection:
+    def new_connection(self, initiator: bool = False) -> Connection:
         return Connection(
             name=self.name, rank=self.rank, auth_key=self.auth_key,
-            max_frame_size=self.options.max_frame_size,
+            max_frame_size=self.options.max_frame_size, initiator=initiator,
         )
 
     def on_established(self, proto: PeerProtocol, event: Established) -> None:

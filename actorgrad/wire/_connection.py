@@ -12,7 +12,10 @@
 
 Both sides send Hello first, so authentication is mutual: each side proves it holds
 the key over the other side's fresh nonce (HMAC-SHA256, as multiprocessing.connection
-does). No data frame is decoded before the handshake completes, so an unauthenticated
+does). The proof also binds the prover's role (the side that opened the connection or
+the side that accepted it), its own nonce and both names, and each side only accepts a
+proof made in the opposite role: a proof obtained from one connection cannot be relayed
+into another, nor reflected back. No data frame is decoded before the handshake completes, so an unauthenticated
 peer can never make us unpickle anything.
 """
 
@@ -72,8 +75,12 @@ class Established:
         self.peer_rank = peer_rank
 
 
-def _proof(key: bytes, nonce: bytes, prover: str) -> bytes:
-    return hmac.new(key, _AUTH_DOMAIN + nonce + prover.encode(), "sha256").digest()
+def _proof(key: bytes, prover_is_initiator: bool, verifier_nonce: bytes, prover_nonce: bytes,
+           prover: str, verifier: str) -> bytes:
+    role = b"I" if prover_is_initiator else b"A"
+    message = b"".join([_AUTH_DOMAIN, role, verifier_nonce, prover_nonce,
+                        prover.encode(), b"\0", verifier.encode()])
+    return hmac.new(key, message, "sha256").digest()
 
 
 def _encode(msg: Message) -> list[bytes | bytearray | memoryview]:
@@ -165,14 +172,17 @@ class Connection:
         auth_key: bytes | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_buffers: int = DEFAULT_MAX_BUFFERS,
+        initiator: bool = False,
     ) -> None:
         self.name = name
+        self.initiator = initiator  # True on the side that opened the connection
         self.rank = rank
         self.auth_key = auth_key
         self.state = State.HANDSHAKE
         self.peer_name: str | None = None
         self.peer_rank: int | None = None
         self._nonce = os.urandom(NONCE_BYTES)
+        self._peer_nonce = b""
         self._peer_authenticated = False
         self._decoder = FrameDecoder(
             max_frame_size=max_frame_size,
@@ -233,7 +243,11 @@ class Connection:
             if msg.name == self.name:
                 raise AuthenticationError(f"peer claims this worker's own name {msg.name!r} (reflected handshake?)")
             self.peer_name, self.peer_rank = msg.name, msg.rank
-            digest = _proof(self.auth_key, msg.nonce, self.name) if self.auth_key else b""
+            self._peer_nonce = msg.nonce
+            digest = (
+                _proof(self.auth_key, self.initiator, msg.nonce, self._nonce, self.name, msg.name)
+                if self.auth_key else b""
+            )
             self._outbox.extend(_encode(Auth(digest=digest)))
             return None
         if isinstance(msg, Auth):
@@ -248,8 +262,13 @@ class Connection:
                 raise AuthenticationError(
                     f"peer {self.peer_name!r} sent no proof of the auth_key this worker requires"
                 )
-            elif not hmac.compare_digest(msg.digest, _proof(self.auth_key, self._nonce, self.peer_name)):
-                raise AuthenticationError(f"peer {self.peer_name!r} has a different auth_key")
+            elif not hmac.compare_digest(msg.digest, _proof(
+                self.auth_key, not self.initiator, self._nonce, self._peer_nonce, self.peer_name, self.name
+            )):
+                raise AuthenticationError(
+                    f"peer {self.peer_name!r} failed the key check (a different auth_key, or a "
+                    "proof taken from another connection)"
+                )
             self.state = State.ESTABLISHED
             assert self.peer_rank is not None
             return Established(self.peer_name, self.peer_rank)

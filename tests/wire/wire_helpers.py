@@ -103,7 +103,7 @@ def connected_pair(
     **kwargs: Any,
 ) -> tuple[Connection, Connection]:
     """Two Connections that completed the handshake with each other."""
-    a = Connection(name=name_a, rank=rank_a, auth_key=key_a, **kwargs)
+    a = Connection(name=name_a, rank=rank_a, auth_key=key_a, initiator=True, **kwargs)
     b = Connection(name=name_b, rank=rank_b, auth_key=key_b, **kwargs)
     assert a.state is State.HANDSHAKE and b.state is State.HANDSHAKE
     events = exchange(a, b)
@@ -134,7 +134,7 @@ def handshake_stream(receiver: Connection, *, key: bytes | None = None, name: st
 
     Drains ``receiver``'s own outbox (its HELLO) to learn its nonce.
     """
-    peer = Connection(name=name, rank=rank, auth_key=key)
+    peer = Connection(name=name, rank=rank, auth_key=key, initiator=True)
     hello = flatten(receiver.data_to_send())
     peer.receive_data(hello)
     assert peer.next_event() is None
