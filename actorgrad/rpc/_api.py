@@ -31,16 +31,21 @@ _INLINE_MAX_BYTES = 1 << 16
 def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor]) -> bool:
     """Whether ``func`` may run on the loop thread itself.
 
-    Only C builtins (``torch.add``, ``operator.mul``, ``max``...) on small tensors: they
-    finish in microseconds, while a hop to the thread pool costs tens. Python functions
-    may block (sleep, I/O, long compute) and always go to the pool.
+    Only torch and ``operator`` builtins (``torch.add``, ``operator.mul``...) applied to
+    small tensors: they finish in microseconds, while a hop to the thread pool costs
+    tens. Anything else may block or run long (``time.sleep``, a factory such as
+    ``torch.randn(20000, 20000)``, a Python function) and goes to the pool.
     """
-    if not isinstance(func, _BUILTIN_TYPES):
+    if not isinstance(func, _BUILTIN_TYPES) or not tensors:
+        return False
+    module = getattr(func, "__module__", None) or getattr(getattr(func, "__self__", None), "__name__", "")
+    if module not in _INLINE_MODULES:
         return False
     return sum(t.numel() * t.element_size() for t in tensors) <= _INLINE_MAX_BYTES
 
 
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType)
+_INLINE_MODULES = frozenset({"torch", "torch._C._VariableFunctions", "_operator", "operator"})
 
 
 async def run_user_function(

@@ -236,12 +236,21 @@ def _call_method(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict
 
 def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any, timeout: float | None) -> RRef[Any]:
     table = owner_table(worker)
-    rref_id, fork = table.new_id(), table.new_id()
-    owner, reply = _api.send_request(
-        worker, to, "rref.create", (rref_id, fork, func, tuple(args), dict(kwargs or {})), timeout
+    rref_id = table.new_id()
+    owner = worker.resolve(to).id
+    value: asyncio.Future[Any] | None = None
+    fork: ForkId | None = table.new_id()
+    if owner == worker.rank:
+        # This worker owns the result: the RRef holds the value future itself (no fork),
+        # and the create handler below finds this entry and resolves it.
+        value = worker.loop.create_future()
+        table.entries[rref_id] = _Entry(value)
+        fork = None
+    _, reply = _api.send_request(
+        worker, owner, "rref.create", (rref_id, fork, func, tuple(args), dict(kwargs or {})), timeout
     )
     reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface on use
-    return RRef._make(worker, owner, rref_id, fork, None)
+    return RRef._make(worker, owner, rref_id, fork, value)
 
 
 def install_handlers(worker: Worker) -> None:
@@ -252,8 +261,13 @@ def install_handlers(worker: Worker) -> None:
         rref_id, fork, func, args, kwargs, meta = payload.load()
         hooks = _hooks.current()
         hooks.on_receive(worker, meta, payload, peer.rank)
-        value: asyncio.Future[Any] = worker.loop.create_future()
-        table.entry_for(tuple(rref_id), value).forks.add(tuple(fork))
+        rref_id = tuple(rref_id)
+        entry = table.entries.get(rref_id)
+        created_here = entry is not None  # remote() to oneself registered it already
+        if entry is None:
+            entry = table.entry_for(rref_id, worker.loop.create_future())
+            entry.forks.add(tuple(fork))
+        value = entry.value
 
         async def run() -> Payload:
             try:
@@ -263,6 +277,9 @@ def install_handlers(worker: Worker) -> None:
                 value.set_exception(exc)
                 value.exception()  # retrieved: the error surfaces on the RRef's next use
                 raise
+            finally:
+                if created_here and table.entries.get(rref_id) is entry:
+                    table._maybe_free(rref_id, entry)  # the local RRef holds the value
             value.set_result(result)
             return Payload.dump(None)
 

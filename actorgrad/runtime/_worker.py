@@ -15,11 +15,14 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import socket
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import cloudpickle
 
 from .._errors import (
     AuthenticationError,
@@ -55,14 +58,19 @@ PeerRef = str | int | WorkerInfo
 
 
 def error_payload(exc: BaseException) -> Payload:
-    """Describe ``exc`` for the caller: type, message, traceback, and the exception."""
+    """Describe ``exc`` for the caller: type, message, traceback, and the exception.
+
+    The exception itself travels as separate bytes: if it cannot be pickled here, or
+    rebuilt there, the caller still gets its type name, message and traceback.
+    """
     kind = type(exc)
     name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     tb = "".join(traceback.format_exception(exc))
     try:
-        return Payload.dump((name, str(exc), tb, exc))
+        pickled: bytes | None = cloudpickle.dumps(exc)
     except Exception:
-        return Payload.dump((name, str(exc), tb, None))
+        pickled = None
+    return Payload.dump((name, str(exc), tb, pickled))
 
 
 class Worker:
@@ -161,6 +169,11 @@ class Worker:
             else:
                 self._store = FileStore(host)
             await self._store.connect(deadline)
+            # Be ready for every peer before anyone can learn our address: a peer that
+            # reads the roster before we do connects right away.
+            for rank in range(self.world_size):
+                if rank != self.rank:
+                    self._peer_waiters[rank] = self.loop.create_future()
             me = {"name": self.name, "host": advertise, "port": listen_port}
             await self._store.set(f"worker/{self.rank}", json.dumps(me))
             entries = await self._until(deadline, self._store.wait_prefix("worker/", self.world_size), "all workers to join the rendezvous")
@@ -173,10 +186,10 @@ class Worker:
             names = [i.name for i in self.infos.values()]
             if len(set(names)) != len(names):
                 raise ValueError(f"worker names must be unique, got {sorted(names)}")
+            for rank, proto in list(self.peers.items()):  # connected before we read the roster
+                if proto.name != self.infos[rank].name:
+                    proto.abort(ProtocolError(f"peer {proto.name!r} is not rank {rank}'s worker"))
             # Lower ranks accept, higher ranks connect: exactly one connection per pair.
-            for rank in self.infos:
-                if rank != self.rank:
-                    self._peer_waiters[rank] = self.loop.create_future()
             connects = [self._connect(addresses[r], r) for r in self.infos if r < self.rank]
             await self._until(deadline, asyncio.gather(*connects), "connections to lower ranks")
             await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect")
@@ -254,6 +267,8 @@ class Worker:
         self._handlers[target] = handler
 
     def on_message(self, peer: PeerProtocol, msg: Message) -> None:
+        if peer.rank is None or (self.peers.get(peer.rank) is not peer and peer is not self._loopback):
+            return  # a connection we rejected or replaced: nothing it sent is acted on
         token = _current.current_worker.set(self)
         try:
             if isinstance(msg, Call):
@@ -350,12 +365,17 @@ class Worker:
 
     def _remote_error(self, peer: PeerProtocol, payload: Payload) -> BaseException:
         try:
-            type_name, message, tb, exc = payload.load()
+            type_name, message, tb, pickled = payload.load()
         except Exception as load_exc:
             return RemoteError(peer.name or "?", "UndecodableError", f"could not decode the error: {load_exc}")
         error = RemoteError(peer.name or "?", type_name, message, tb)
-        if isinstance(exc, BaseException):
-            error.__cause__ = exc
+        if pickled is not None:
+            try:
+                exc = pickle.loads(pickled)
+            except Exception:
+                exc = None  # e.g. an exception class whose __init__ needs other arguments
+            if isinstance(exc, BaseException):
+                error.__cause__ = exc
         return error
 
     def peer(self, to: PeerRef) -> PeerProtocol:
@@ -462,10 +482,10 @@ class Worker:
             stalled_here = now - last > 2 * interval  # our own loop was blocked
             last = now
             for peer in list(self.peers.values()):
-                if now - peer.last_sent >= interval:
-                    with contextlib.suppress(Exception):
-                        peer.send(Heartbeat())
                 silent = now - peer.last_received
+                if silent >= interval:  # the peer answers pings while its loop runs
+                    with contextlib.suppress(Exception):
+                        peer.send(Heartbeat(ping=True))
                 if stalled_here:
                     peer.last_received = now
                 elif peer.outstanding and silent > self.options.heartbeat_timeout:

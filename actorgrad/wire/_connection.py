@@ -89,8 +89,8 @@ def _encode(msg: Message) -> list[bytes | bytearray | memoryview]:
             return encode_frame(Kind.HELLO, 0, _HELLO.pack(nonce, rank) + name.encode())
         case Auth(digest=digest):
             return encode_frame(Kind.AUTH, 0, digest)
-        case Heartbeat():
-            return encode_frame(Kind.HEARTBEAT, 0, b"")
+        case Heartbeat(ping=ping):
+            return encode_frame(Kind.HEARTBEAT, 0, b"\x01" if ping else b"")
         case Goodbye(reason=reason):
             return encode_frame(Kind.GOODBYE, 0, reason.encode()[:1024])
         case Cancel(request_id=rid):
@@ -138,7 +138,7 @@ def decode_frame(frame: Frame) -> Message:
     if kind == Kind.AUTH:
         return Auth(digest=bytes(frame.body))
     if kind == Kind.HEARTBEAT:
-        return Heartbeat()
+        return Heartbeat(ping=bytes(frame.body[:1]) == b"\x01")
     if kind == Kind.GOODBYE:
         return Goodbye(reason=bytes(frame.body).decode(errors="replace"))
     if kind == Kind.CANCEL:

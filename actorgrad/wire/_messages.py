@@ -59,7 +59,10 @@ class Auth:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
-    """Keeps an idle connection observably alive."""
+    """Liveness probe. A ``ping`` is answered with a pong by the peer's protocol state,
+    so a peer whose loop runs answers whatever its own settings."""
+
+    ping: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

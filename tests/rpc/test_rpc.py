@@ -1,0 +1,527 @@
+"""rpc_async / rpc_sync against real in-process workers (loopback sockets).
+
+Every expected value is computed locally with torch; the callee reports where it ran
+(worker name, thread) so that a call that silently ran on the wrong worker fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import actorgrad as ag
+
+# --------------------------------------------------------------------------------------
+# functions called remotely (module level: pickled by reference, importable in-process)
+
+
+def where_am_i() -> str:
+    return ag.get_worker_info().name
+
+
+def add_scaled(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return (a + b) * scale
+
+
+def thread_and_worker() -> tuple[str, str]:
+    return threading.current_thread().name, ag.get_worker_info().name
+
+
+async def async_double(x: torch.Tensor, delay: float) -> tuple[str, bool, torch.Tensor]:
+    await asyncio.sleep(delay)
+    on_loop = threading.current_thread() is threading.main_thread()
+    return ag.get_worker_info().name, on_loop, x * 2
+
+
+def identity(x: object) -> object:
+    return x
+
+
+def mutate_in_place(t: torch.Tensor) -> float:
+    t.add_(100)
+    t[0] = -5
+    return float(t.sum())
+
+
+def sleep_then(seconds: float, value: object = None) -> object:
+    time.sleep(seconds)
+    return value
+
+
+def square(i: int) -> int:
+    return i * i
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+class CustomError(Exception):
+    pass
+
+
+def raise_custom(message: str) -> None:
+    raise CustomError(message)
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles fine but cannot be rebuilt: ``Exception.__reduce__`` passes only ``args``."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(a)
+        self.b = b
+
+
+def raise_unrebuildable() -> None:
+    raise NeedsTwoArgs("first", "second")
+
+
+class HoldsLock(Exception):
+    """Cannot even be pickled on the callee (a lock is not picklable)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def raise_unpicklable() -> None:
+    raise HoldsLock("with a lock")
+
+
+def nested_sync_via_worker2(x: torch.Tensor) -> tuple[str, str, torch.Tensor]:
+    # runs in worker1's thread pool and blocks on a call to worker2
+    here = ag.get_worker_info().name
+    there = ag.rpc_sync("worker2", where_am_i)
+    y = ag.rpc_sync("worker2", torch.mul, args=(x, 3))
+    return here, there, y + 1
+
+
+async def nested_async_via_worker2(x: torch.Tensor) -> tuple[str, str, torch.Tensor]:
+    here = ag.get_worker_info().name
+    there, y = await asyncio.gather(
+        ag.rpc_async("worker2", where_am_i), ag.rpc_async("worker2", add_scaled, args=(x, x))
+    )
+    return here, there, y - 1
+
+
+CANCELLED: list[str] = []
+
+
+async def wait_to_be_cancelled(tag: str) -> None:
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        CANCELLED.append(tag)
+        raise
+
+
+# --------------------------------------------------------------------------------------
+# calling conventions
+
+
+async def test_torch_builtin(group2):
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    result = await ag.rpc_async("worker1", torch.add, args=(a, b))
+    assert torch.equal(result, a + b)
+    result = await ag.rpc_async("worker1", torch.matmul, args=(a, b.t()))
+    assert torch.allclose(result, a @ b.t())
+
+
+async def test_module_level_function_runs_on_callee_thread_pool(group2):
+    thread, name = await ag.rpc_async("worker1", thread_and_worker)
+    assert name == "worker1"
+    assert thread != threading.main_thread().name
+    assert thread.startswith("actorgrad-worker1")
+
+
+async def test_lambda(group2):
+    x = torch.arange(6.0)
+    result = await ag.rpc_async("worker1", lambda t: (t**2, ag.get_worker_info().name), args=(x,))
+    assert torch.equal(result[0], x**2)
+    assert result[1] == "worker1"
+
+
+async def test_closure_capturing_a_tensor(group2):
+    weight = torch.randn(4, 2)
+    bias = torch.randn(2)
+
+    def affine(x: torch.Tensor) -> torch.Tensor:
+        return x @ weight + bias
+
+    x = torch.randn(3, 4)
+    result = await ag.rpc_async("worker1", affine, args=(x,))
+    assert torch.allclose(result, x @ weight + bias)
+
+
+async def test_kwargs(group2):
+    a, b = torch.randn(5), torch.randn(5)
+    result = await ag.rpc_async("worker1", torch.add, args=(a,), kwargs={"other": b, "alpha": 2})
+    assert torch.allclose(result, a + 2 * b)
+    result = await ag.rpc_async("worker1", add_scaled, args=(a,), kwargs={"b": b, "scale": -3.0})
+    assert torch.allclose(result, (a + b) * -3.0)
+
+
+async def test_async_def_is_awaited_on_callee_loop(group2):
+    x = torch.randn(3)
+    start = time.monotonic()
+    name, on_loop, y = await ag.rpc_async("worker1", async_double, args=(x, 0.1))
+    assert time.monotonic() - start >= 0.09  # the coroutine really ran to completion
+    assert name == "worker1"
+    assert on_loop  # awaited on the loop, not run in the thread pool
+    assert torch.equal(y, x * 2)
+
+
+async def test_function_defined_inside_the_test(group2):
+    offset = 7
+
+    def local_fn(values: list[int]) -> tuple[str, list[int]]:
+        return ag.get_worker_info().name, [v + offset for v in values]
+
+    assert await ag.rpc_async("worker1", local_fn, args=([1, 2, 3],)) == ("worker1", [8, 9, 10])
+
+
+async def test_destination_as_name_rank_and_workerinfo(group3):
+    info = ag.get_worker_info("worker2")
+    assert info == ag.WorkerInfo("worker2", 2)
+    assert await ag.rpc_async("worker2", where_am_i) == "worker2"
+    assert await ag.rpc_async(2, where_am_i) == "worker2"
+    assert await ag.rpc_async(info, where_am_i) == "worker2"
+    assert await ag.rpc_async(1, where_am_i) == "worker1"
+
+
+async def test_call_to_self(group2):
+    assert await ag.rpc_async("worker0", where_am_i) == "worker0"
+    assert await ag.rpc_async(0, where_am_i) == "worker0"
+    x = torch.randn(4)
+    assert torch.equal(await ag.rpc_async("worker0", torch.neg, args=(x,)), -x)
+
+
+async def test_rpc_sync_from_a_plain_thread(group2):
+    x = torch.randn(3)
+
+    def blocking() -> torch.Tensor:
+        return ag.rpc_sync("worker1", add_scaled, args=(x, x), kwargs={"scale": 0.5})
+
+    result = await asyncio.wait_for(asyncio.to_thread(blocking), 10)
+    assert torch.allclose(result, x)
+
+
+# --------------------------------------------------------------------------------------
+# argument copying
+
+
+@pytest.mark.parametrize("to", ["worker1", "worker0"])
+async def test_callee_mutation_does_not_reach_caller(group2, to):
+    x = torch.arange(4.0)
+    original = x.clone()
+    returned = await ag.rpc_async(to, mutate_in_place, args=(x,))
+    expected = original + 100
+    expected[0] = -5
+    assert returned == float(expected.sum())
+    assert torch.equal(x, original)
+
+
+@pytest.mark.parametrize("to", ["worker1", "worker0"])
+async def test_callee_gets_the_value_at_call_time(group2, to):
+    # the caller changes its tensor right after issuing the call; the call carries the
+    # value it had when it was made (also for a large tensor whose write is buffered)
+    x = torch.ones(4 << 20)
+    fut = ag.rpc_async(to, torch.sum, args=(x,))
+    x.zero_()
+    assert float(await fut) == float(4 << 20)
+
+
+async def test_caller_mutating_result_does_not_reach_callee_state(group2):
+    x = torch.arange(3.0)
+    rref = ag.remote("worker1", identity, args=(x,))
+    fetched = await rref.to_here()
+    fetched.mul_(0)
+    again = await rref.to_here()
+    assert torch.equal(again, torch.arange(3.0))
+
+
+# --------------------------------------------------------------------------------------
+# nested calls
+
+
+async def test_rpc_sync_nested_in_thread_pool_function(group3):
+    x = torch.randn(4)
+    here, there, y = await asyncio.wait_for(
+        ag.rpc_async("worker1", nested_sync_via_worker2, args=(x,)), 10
+    )
+    assert (here, there) == ("worker1", "worker2")
+    assert torch.allclose(y, x * 3 + 1)
+
+
+async def test_rpc_async_nested_in_async_function(group3):
+    x = torch.randn(4)
+    here, there, y = await asyncio.wait_for(
+        ag.rpc_async("worker1", nested_async_via_worker2, args=(x,)), 10
+    )
+    assert (here, there) == ("worker1", "worker2")
+    assert torch.allclose(y, 2 * x - 1)
+
+
+# --------------------------------------------------------------------------------------
+# tensors on the wire
+
+
+async def test_64mib_tensor_round_trip(group2):
+    x = torch.randn(16 << 20)  # 64 MiB of float32
+    assert x.numel() * x.element_size() == 64 << 20
+    y = await ag.rpc_async("worker1", identity, args=(x,))
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(y, x)
+    assert y.data_ptr() != x.data_ptr()
+
+
+def _special_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    storage_owner = torch.arange(100.0)
+    return {
+        "transposed": base.t(),
+        "strided_slice": base[:, ::3],
+        "offset_view": storage_owner[10:20],
+        "expanded": torch.randn(1, 5, generator=g).expand(4, 5),
+        "bfloat16": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+        "float16": torch.randn(9, generator=g).half(),
+        "float64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "complex64": torch.randn(5, generator=g, dtype=torch.complex64),
+        "complex128_conj_view": torch.randn(4, generator=g, dtype=torch.complex128).conj(),
+        "neg_view": torch.randn(3, generator=g, dtype=torch.complex64)._neg_view(),
+        "bool": torch.tensor([True, False, True, True]),
+        "int8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "int64": torch.tensor([2**62, -(2**62)], dtype=torch.int64),
+        "zero_dim": torch.tensor(3.25),
+        "zero_dim_int": torch.tensor(-7),
+        "empty": torch.empty(0),
+        "empty_2d": torch.empty(0, 3),
+        "empty_int": torch.empty(2, 0, dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_special_tensors()))
+async def test_special_tensor_round_trip(group2, kind):
+    x = _special_tensors()[kind]
+    y = await ag.rpc_async("worker1", identity, args=(x,))
+    assert y.dtype == x.dtype
+    assert y.shape == x.shape
+    assert torch.equal(y.resolve_conj().resolve_neg(), x.resolve_conj().resolve_neg())
+
+
+async def test_sparse_tensor_round_trip(group2):
+    x = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse()
+    y = await ag.rpc_async("worker1", identity, args=(x,))
+    assert y.is_sparse
+    assert torch.equal(y.to_dense(), x.to_dense())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: wire/_codec.py _DTYPES lacks uint16/uint32/uint64/float8_*; the in-band "
+    "fallback (torch's own pickling) cannot rebuild them",
+)
+@pytest.mark.parametrize("dtype", ["uint16", "float8_e4m3fn"])
+async def test_less_common_dtype_round_trip(group2, dtype):
+    x = torch.tensor([1.0, 2.0, 3.0]).to(getattr(torch, dtype))
+    y = await ag.rpc_async("worker1", identity, args=(x,))
+    assert y.dtype == x.dtype
+    assert torch.equal(y.float(), x.float())
+
+
+async def test_nested_containers_of_tensors(group2):
+    a, b, c = torch.randn(2), torch.randn(3, dtype=torch.float64), torch.tensor(True)
+    value = {"a": [a, (b, {"c": c})], "n": 5}
+    y = await ag.rpc_async("worker1", identity, args=(value,))
+    assert y["n"] == 5
+    assert torch.equal(y["a"][0], a)
+    assert torch.equal(y["a"][1][0], b)
+    assert torch.equal(y["a"][1][1]["c"], c)
+
+
+# --------------------------------------------------------------------------------------
+# remote exceptions
+
+
+async def test_remote_exception_becomes_remote_error(group2):
+    with pytest.raises(ag.RemoteError) as info:
+        await ag.rpc_async("worker1", raise_value_error, args=("the message 42",))
+    err = info.value
+    assert isinstance(err, ag.ActorgradError)
+    assert "ValueError" in err.remote_type
+    assert "raise_value_error" in err.remote_traceback
+    assert "the message 42" in err.remote_traceback
+    assert isinstance(err.__cause__, ValueError)
+    assert str(err.__cause__) == "the message 42"
+    assert "the message 42" in str(err)
+
+
+async def test_remote_exception_from_async_function_and_self_call(group2):
+    async def fail_async() -> None:
+        await asyncio.sleep(0)
+        raise KeyError("missing-key")
+
+    for to in ("worker1", "worker0"):
+        with pytest.raises(ag.RemoteError) as info:
+            await ag.rpc_async(to, fail_async)
+        assert "KeyError" in info.value.remote_type
+        assert "fail_async" in info.value.remote_traceback
+        assert isinstance(info.value.__cause__, KeyError)
+
+
+async def test_remote_custom_exception_type(group2):
+    with pytest.raises(ag.RemoteError) as info:
+        await ag.rpc_async("worker1", raise_custom, args=("custom!",))
+    assert "CustomError" in info.value.remote_type
+    assert isinstance(info.value.__cause__, CustomError)
+    assert str(info.value.__cause__) == "custom!"
+
+
+async def test_unrebuildable_exception_still_gives_remote_error(group2):
+    with pytest.raises(ag.RemoteError):
+        await ag.rpc_async("worker1", raise_unrebuildable)
+    # and the worker keeps serving
+    assert await ag.rpc_async("worker1", square, args=(9,)) == 81
+
+
+async def test_unrebuildable_exception_keeps_type_and_traceback(group2):
+    with pytest.raises(ag.RemoteError) as info:
+        await ag.rpc_async("worker1", raise_unrebuildable)
+    assert "NeedsTwoArgs" in info.value.remote_type
+    assert "raise_unrebuildable" in info.value.remote_traceback
+    assert info.value.__cause__ is None
+
+
+async def test_unpicklable_exception_gives_remote_error_with_type(group2):
+    with pytest.raises(ag.RemoteError) as info:
+        await ag.rpc_async("worker1", raise_unpicklable)
+    assert "HoldsLock" in info.value.remote_type
+    assert "raise_unpicklable" in info.value.remote_traceback
+    assert "with a lock" in str(info.value)
+    assert info.value.__cause__ is None
+
+
+# --------------------------------------------------------------------------------------
+# timeouts
+
+
+async def test_per_call_timeout(group2):
+    start = time.monotonic()
+    with pytest.raises(ag.RpcTimeout) as info:
+        await ag.rpc_async("worker1", sleep_then, args=(2.0,), timeout=0.2)
+    elapsed = time.monotonic() - start
+    assert isinstance(info.value, TimeoutError)
+    assert 0.15 <= elapsed < 1.0
+    # the worker still serves calls (its pool thread is still sleeping)
+    assert await asyncio.wait_for(ag.rpc_async("worker1", square, args=(12,)), 5) == 144
+
+
+async def test_default_timeout_from_options(make_group):
+    await make_group(2, ag.RpcOptions(rpc_timeout=0.3))
+    start = time.monotonic()
+    with pytest.raises(ag.RpcTimeout):
+        await ag.rpc_async("worker1", sleep_then, args=(2.0,))
+    assert 0.25 <= time.monotonic() - start < 1.2
+    # a faster call within the default still succeeds
+    assert await ag.rpc_async("worker1", sleep_then, args=(0.05, "ok")) == "ok"
+
+
+async def test_timeout_zero_means_no_limit(make_group):
+    await make_group(2, ag.RpcOptions(rpc_timeout=0.2))
+    start = time.monotonic()
+    assert await ag.rpc_async("worker1", sleep_then, args=(0.5, "done"), timeout=0) == "done"
+    assert time.monotonic() - start >= 0.45
+
+
+async def test_timeout_on_call_to_self(group2):
+    with pytest.raises(ag.RpcTimeout):
+        await ag.rpc_async("worker0", sleep_then, args=(1.0,), timeout=0.1)
+    assert await ag.rpc_async("worker0", where_am_i) == "worker0"
+
+
+async def test_timeout_cancels_async_callee(group2):
+    tag = f"cancel-{time.monotonic()}"
+    with pytest.raises(ag.RpcTimeout):
+        await ag.rpc_async("worker1", wait_to_be_cancelled, args=(tag,), timeout=0.1)
+    for _ in range(150):  # up to 3 s
+        if tag in CANCELLED:
+            break
+        await asyncio.sleep(0.02)
+    assert tag in CANCELLED
+
+
+async def test_blocking_builtin_respects_timeout(group2):
+    start = time.monotonic()
+    with pytest.raises(ag.RpcTimeout):
+        await ag.rpc_async("worker1", time.sleep, args=(0.6,), timeout=0.1)
+    assert time.monotonic() - start < 0.4
+
+
+# --------------------------------------------------------------------------------------
+# a blocking remote function does not block the callee
+
+
+async def test_sleeping_function_does_not_block_other_callers(group3):
+    slow = ag.rpc_async("worker1", sleep_then, args=(1.0, "slept"))
+    await asyncio.sleep(0.05)  # the slow call is running on worker1
+
+    async def twenty_small_calls() -> tuple[list[int], float]:
+        start = time.monotonic()
+        results = [await ag.rpc_async("worker1", square, args=(i,)) for i in range(20)]
+        return results, time.monotonic() - start
+
+    results, elapsed = await asyncio.wait_for(group3.run_as(2, twenty_small_calls), 5)
+    assert results == [i * i for i in range(20)]
+    assert elapsed < 0.6
+    assert not slow.done()
+    assert await slow == "slept"
+
+
+# --------------------------------------------------------------------------------------
+# bad arguments
+
+
+async def test_unknown_worker_name(group2):
+    with pytest.raises(ValueError, match="no-such-worker"):
+        await ag.rpc_async("no-such-worker", where_am_i)
+    with pytest.raises(ValueError, match="no-such-worker"):
+        ag.rpc_sync("no-such-worker", where_am_i)
+
+
+async def test_non_callable_func(group2):
+    with pytest.raises(TypeError):
+        await ag.rpc_async("worker1", 42)
+    with pytest.raises(TypeError):
+        await ag.rpc_async("worker1", "torch.add", args=(1, 2))
+
+
+@pytest.mark.parametrize("rank", [2, 99, -1])
+async def test_rank_out_of_range(group2, rank):
+    with pytest.raises(ValueError):
+        await ag.rpc_async(rank, where_am_i)
+
+
+async def test_bad_destination_type(group2):
+    with pytest.raises(TypeError):
+        await ag.rpc_async(1.0, where_am_i)
+
+
+# --------------------------------------------------------------------------------------
+# load
+
+
+async def test_2000_calls_in_flight(group2):
+    n = 2000
+    tensors = [torch.full((2,), float(i)) for i in range(n // 2)]
+    futures = [ag.rpc_async("worker1", torch.mul, args=(t, 3)) for t in tensors]
+    futures += [ag.rpc_async("worker1", square, args=(i,)) for i in range(n // 2)]
+    assert len(futures) == n
+    results = await asyncio.wait_for(asyncio.gather(*futures), 60)
+    for i, r in enumerate(results[: n // 2]):
+        assert torch.equal(r, torch.full((2,), 3.0 * i))
+    assert results[n // 2 :] == [i * i for i in range(n // 2)]

@@ -1,0 +1,418 @@
+"""RRef: creation, identity, values, proxies, forks and the lifetime protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import actorgrad as ag
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def inc(self, k: int = 1) -> int:
+        self.n += k
+        return self.n
+
+    def get(self) -> int:
+        return self.n
+
+    def snapshot(self) -> Counter:
+        return Counter(self.n)
+
+    async def slow_get(self, delay: float) -> int:
+        await asyncio.sleep(delay)
+        return self.n
+
+
+def make_tensor(n: int) -> torch.Tensor:
+    return torch.arange(float(n))
+
+
+def slow_make(seconds: float, n: int) -> torch.Tensor:
+    time.sleep(seconds)
+    return torch.arange(float(n))
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def inspect_on_owner(rref: ag.RRef) -> tuple[str, bool, str, Any]:
+    """Runs on the owner: the RRef it receives is the owner's own."""
+    return ag.get_worker_info().name, rref.is_owner(), rref.owner_name(), rref.local_value()
+
+
+def local_value_identity(rref_a: ag.RRef, rref_b: ag.RRef) -> bool:
+    return rref_a.local_value() is rref_b.local_value()
+
+
+def try_local_value(rref: ag.RRef) -> str:
+    try:
+        rref.local_value()
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
+    return "no error"
+
+
+async def fetch_and_sum(rref: ag.RRef) -> tuple[str, bool, float]:
+    value = await rref.to_here()
+    return ag.get_worker_info().name, rref.is_owner(), float(value.sum())
+
+
+def sync_proxy_inc(rref: ag.RRef, k: int) -> tuple[str, int]:
+    # runs in a thread-pool thread of the caller worker
+    return ag.get_worker_info().name, rref.rpc_sync().inc(k)
+
+
+def make_local_rref(n: int) -> ag.RRef:
+    return ag.RRef(torch.full((3,), float(n)))
+
+
+KEPT: dict[str, Any] = {}
+
+
+def keep(key: str, rref: ag.RRef) -> str:
+    KEPT[key] = rref
+    return ag.get_worker_info().name
+
+
+async def debug_info(worker: str) -> dict[str, int]:
+    return await ag.rpc_async(worker, ag.rref_debug_info)
+
+
+async def wait_owner_count(worker: str, expected: int, timeout: float = 3.0) -> dict[str, int]:
+    """Poll (with gc) until ``worker`` owns ``expected`` values; return the last info."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        info = await debug_info(worker)
+        if info["num_owner_rrefs"] == expected or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.02)
+
+
+# --------------------------------------------------------------------------------------
+# identity and values
+
+
+async def test_remote_and_to_here(group2):
+    rref = ag.remote("worker1", torch.add, args=(torch.ones(3), torch.arange(3.0)))
+    assert isinstance(rref, ag.RRef)
+    assert rref.owner() == ag.WorkerInfo("worker1", 1)
+    assert rref.owner_name() == "worker1"
+    assert not rref.is_owner()
+    value = await rref.to_here()
+    assert torch.equal(value, torch.ones(3) + torch.arange(3.0))
+    # to_here can be called again and gives an equal copy
+    assert torch.equal(await rref.to_here(), value)
+
+
+async def test_remote_with_rank_and_workerinfo_destination(group3):
+    by_rank = ag.remote(2, make_tensor, args=(4,))
+    by_info = ag.remote(ag.get_worker_info("worker1"), make_tensor, args=(5,))
+    assert by_rank.owner_name() == "worker2"
+    assert by_info.owner_name() == "worker1"
+    assert torch.equal(await by_rank.to_here(), torch.arange(4.0))
+    assert torch.equal(await by_info.to_here(), torch.arange(5.0))
+
+
+async def test_remote_returns_at_once(group2):
+    start = time.monotonic()
+    rref = ag.remote("worker1", slow_make, args=(0.5, 3))
+    assert time.monotonic() - start < 0.2
+    assert torch.equal(await rref.to_here(), torch.arange(3.0))
+
+
+async def test_local_value_on_owner(group2):
+    rref = ag.remote("worker1", make_tensor, args=(6,))
+    name, is_owner, owner_name, value = await ag.rpc_async(
+        "worker1", inspect_on_owner, args=(rref,)
+    )
+    assert (name, is_owner, owner_name) == ("worker1", True, "worker1")
+    assert torch.equal(value, torch.arange(6.0))
+    # two copies of the RRef resolve to the very same object on the owner
+    assert await ag.rpc_async("worker1", local_value_identity, args=(rref, rref)) is True
+
+
+async def test_local_value_on_owner_waits_for_creation(group2):
+    rref = ag.remote("worker1", slow_make, args=(0.3, 4))
+    _, _, _, value = await ag.rpc_async("worker1", inspect_on_owner, args=(rref,))
+    assert torch.equal(value, torch.arange(4.0))
+
+
+async def test_local_value_on_non_owner_raises(group3):
+    rref = ag.remote("worker1", make_tensor, args=(2,))
+    await rref.to_here()
+    with pytest.raises(RuntimeError):
+        rref.local_value()
+    # also on a third worker that received a fork
+    message = await ag.rpc_async("worker2", try_local_value, args=(rref,))
+    assert message.startswith("RuntimeError")
+
+
+async def test_local_rref(group2):
+    value = {"weights": torch.randn(3)}
+    rref = ag.RRef(value)
+    assert rref.is_owner()
+    assert rref.owner() == ag.WorkerInfo("worker0", 0)
+    assert rref.owner_name() == "worker0"
+    assert rref.local_value() is value
+    assert await rref.to_here() is value
+    # a non-owner fetches a copy
+    name, is_owner, total = await ag.rpc_async("worker1", _fetch_weights_sum, args=(rref,))
+    assert (name, is_owner) == ("worker1", False)
+    assert total == pytest.approx(float(value["weights"].sum()))
+
+
+async def _fetch_weights_sum(rref: ag.RRef) -> tuple[str, bool, float]:
+    value = await rref.to_here()
+    return ag.get_worker_info().name, rref.is_owner(), float(value["weights"].sum())
+
+
+async def test_to_here_timeout(group2):
+    rref = ag.remote("worker1", slow_make, args=(0.8, 2))
+    with pytest.raises(ag.RpcTimeout):
+        await rref.to_here(timeout=0.2)
+    assert torch.equal(await rref.to_here(timeout=5), torch.arange(2.0))
+
+
+# --------------------------------------------------------------------------------------
+# proxies
+
+
+async def test_rpc_async_proxy(group2):
+    rref = ag.remote("worker1", Counter, args=(10,))
+    assert await rref.rpc_async().inc(5) == 15
+    assert await rref.rpc_async().inc(k=2) == 17
+    assert await rref.rpc_async().slow_get(0.05) == 17  # async method awaited on the owner
+    assert await rref.rpc_async().get() == 17
+
+
+async def test_rpc_async_proxy_timeout(group2):
+    rref = ag.remote("worker1", Counter)
+    with pytest.raises(ag.RpcTimeout):
+        await rref.rpc_async(timeout=0.1).slow_get(2.0)
+
+
+async def test_rpc_sync_proxy_from_a_thread(group2):
+    rref = ag.remote("worker1", Counter, args=(1,))
+    result = await asyncio.wait_for(asyncio.to_thread(lambda: rref.rpc_sync().inc(4)), 10)
+    assert result == 5
+    assert await rref.rpc_async().get() == 5
+
+
+async def test_rpc_sync_proxy_from_a_remote_function(group3):
+    rref = ag.remote("worker1", Counter, args=(100,))
+    name, result = await asyncio.wait_for(
+        ag.rpc_async("worker2", sync_proxy_inc, args=(rref, 3)), 10
+    )
+    assert (name, result) == ("worker2", 103)
+    assert await rref.rpc_async().get() == 103
+
+
+async def test_remote_proxy_returns_rref(group2):
+    rref = ag.remote("worker1", Counter, args=(7,))
+    snap = rref.remote().snapshot()
+    assert isinstance(snap, ag.RRef)
+    assert snap.owner_name() == "worker1"
+    copy = await snap.to_here()
+    assert isinstance(copy, Counter) and copy.n == 7
+    # the snapshot is independent of the original
+    assert await rref.rpc_async().inc(1) == 8
+    assert await snap.rpc_async().get() == 7
+    inc_rref = rref.remote().inc(2)
+    assert await inc_rref.to_here() == 10
+
+
+async def test_proxies_on_local_rref(group2):
+    rref = ag.RRef(Counter(3))
+    assert await rref.rpc_async().inc(1) == 4
+    assert rref.local_value().n == 4
+
+
+# --------------------------------------------------------------------------------------
+# failures
+
+
+async def test_remote_creation_failure_surfaces_at_to_here(group2):
+    rref = ag.remote("worker1", raise_value_error, args=("cannot create",))
+    with pytest.raises(ag.RemoteError) as info:
+        await rref.to_here()
+    assert "ValueError" in info.value.remote_type
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "cannot create" in str(info.value)
+    # and on the proxies
+    with pytest.raises(ag.RemoteError) as info:
+        await rref.rpc_async().anything()
+    assert "ValueError" in info.value.remote_type
+
+
+async def test_remote_to_unknown_worker(group2):
+    with pytest.raises(ValueError):
+        ag.remote("nobody", make_tensor, args=(1,))
+    with pytest.raises(TypeError):
+        ag.remote("worker1", 3)
+
+
+# --------------------------------------------------------------------------------------
+# forks
+
+
+async def test_pass_rref_to_third_worker(group3):
+    rref = ag.remote("worker1", make_tensor, args=(5,))
+    name, is_owner, total = await ag.rpc_async("worker2", fetch_and_sum, args=(rref,))
+    assert (name, is_owner) == ("worker2", False)
+    assert total == float(torch.arange(5.0).sum())
+
+
+async def test_pass_rref_back_to_owner_and_to_self(group2):
+    rref = ag.remote("worker1", make_tensor, args=(3,))
+    name, is_owner, total = await ag.rpc_async("worker1", fetch_and_sum, args=(rref,))
+    assert (name, is_owner, total) == ("worker1", True, 3.0)
+    name, is_owner, total = await ag.rpc_async("worker0", fetch_and_sum, args=(rref,))
+    assert (name, is_owner, total) == ("worker0", False, 3.0)
+
+
+async def test_rref_returned_in_result(group3):
+    rref = await ag.rpc_async("worker1", make_local_rref, args=(4,))
+    assert isinstance(rref, ag.RRef)
+    assert rref.owner_name() == "worker1"
+    assert not rref.is_owner()
+    assert torch.equal(await rref.to_here(), torch.full((3,), 4.0))
+    name, _, total = await ag.rpc_async("worker2", fetch_and_sum, args=(rref,))
+    assert (name, total) == ("worker2", 12.0)
+
+
+# --------------------------------------------------------------------------------------
+# lifetime
+
+
+async def test_dropped_rref_is_freed_on_owner(group2):
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", make_tensor, args=(3,))
+    await rref.to_here()
+    assert (await debug_info("worker1"))["num_owner_rrefs"] == base + 1
+    del rref
+    info = await wait_owner_count("worker1", base)
+    assert info["num_owner_rrefs"] == base
+    assert info["num_forks"] == 0
+
+
+async def test_many_dropped_rrefs_are_freed(group2):
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rrefs = [ag.remote("worker1", make_tensor, args=(i,)) for i in range(50)]
+    values = await asyncio.gather(*(r.to_here() for r in rrefs))
+    assert [v.numel() for v in values] == list(range(50))
+    assert (await debug_info("worker1"))["num_owner_rrefs"] == base + 50
+    rrefs.clear()
+    assert (await wait_owner_count("worker1", base))["num_owner_rrefs"] == base
+
+
+async def test_failed_creation_is_freed(group2):
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", raise_value_error, args=("x",))
+    with pytest.raises(ag.RemoteError):
+        await rref.to_here()
+    del rref
+    assert (await wait_owner_count("worker1", base))["num_owner_rrefs"] == base
+
+
+async def test_proxy_results_are_freed(group2):
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    counter = ag.remote("worker1", Counter)
+    assert await counter.rpc_async().inc(2) == 2
+    snap = counter.remote().snapshot()
+    assert (await snap.to_here()).n == 2
+    assert (await debug_info("worker1"))["num_owner_rrefs"] == base + 2
+    del counter, snap
+    assert (await wait_owner_count("worker1", base))["num_owner_rrefs"] == base
+
+
+async def test_forked_rref_freed_after_every_holder_drops(group3):
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", make_tensor, args=(4,))
+    name, _, total = await ag.rpc_async("worker2", fetch_and_sum, args=(rref,))
+    assert (name, total) == ("worker2", 6.0)
+    # worker2 dropped its copy; worker0 still holds one: the value must stay alive
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        gc.collect()
+        info = await debug_info("worker1")
+        if info["num_forks"] == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert info == {"num_owner_rrefs": base + 1, "num_forks": 1}
+    assert torch.equal(await rref.to_here(), torch.arange(4.0))
+    del rref
+    info = await wait_owner_count("worker1", base)
+    assert info["num_owner_rrefs"] == base and info["num_forks"] == 0
+
+
+async def test_value_survives_while_third_worker_holds_it(group3):
+    key = f"kept-{time.monotonic()}"
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", make_tensor, args=(5,))
+    assert await ag.rpc_async("worker2", keep, args=(key, rref)) == "worker2"
+    del rref
+    gc.collect()
+    await asyncio.sleep(0.2)
+    gc.collect()
+    assert (await debug_info("worker1"))["num_owner_rrefs"] == base + 1
+
+    async def fetch_kept() -> torch.Tensor:
+        return await KEPT[key].to_here()
+
+    assert torch.equal(await group3.run_as(2, fetch_kept), torch.arange(5.0))
+    del KEPT[key]
+    assert (await wait_owner_count("worker1", base))["num_owner_rrefs"] == base
+
+
+async def test_local_rref_forks_are_released(group2):
+    base = (await debug_info("worker0"))["num_owner_rrefs"]
+    rref = ag.RRef(torch.arange(3.0))
+    name, _, total = await ag.rpc_async("worker1", fetch_and_sum, args=(rref,))
+    assert (name, total) == ("worker1", 3.0)
+    assert (await wait_owner_count("worker0", base))["num_owner_rrefs"] == base
+    # the owner's own RRef still holds the value
+    assert torch.equal(rref.local_value(), torch.arange(3.0))
+    assert torch.equal(
+        await ag.rpc_async("worker1", _to_here_sync_free, args=(rref,)), torch.arange(3.0)
+    )
+
+
+async def _to_here_sync_free(rref: ag.RRef) -> torch.Tensor:
+    return await rref.to_here()
+
+
+# --------------------------------------------------------------------------------------
+# remote() to oneself
+
+
+async def test_remote_to_self_local_value(group2):
+    rref = ag.remote("worker0", make_tensor, args=(3,))
+    assert rref.is_owner()
+    assert torch.equal(await rref.to_here(), torch.arange(3.0))
+    assert torch.equal(rref.local_value(), torch.arange(3.0))
+
+
+async def test_remote_to_self_can_be_passed_on(group2):
+    rref = ag.remote("worker0", make_tensor, args=(3,))
+    await rref.to_here()
+    name, _, total = await ag.rpc_async("worker1", fetch_and_sum, args=(rref,))
+    assert (name, total) == ("worker1", 3.0)
+
+
+async def test_remote_to_self_is_freed(group2):
+    base = (await debug_info("worker0"))["num_owner_rrefs"]
+    rref = ag.remote("worker0", make_tensor, args=(3,))
+    await rref.to_here()
+    del rref
+    assert (await wait_owner_count("worker0", base, timeout=1.0))["num_owner_rrefs"] == base

@@ -1,0 +1,675 @@
+"""The worker runtime: rendezvous, identity, authentication, hostile peers, dying peers,
+graceful shutdown and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import torch
+
+import actorgrad as ag
+from actorgrad.runtime import _current
+from actorgrad.testing import InProcessGroup, free_port
+from actorgrad.wire import Call, Connection, Established, Kind, Payload
+from actorgrad.wire._connection import _encode
+from actorgrad.wire._frames import HEADER, MAGIC, PROTOCOL_VERSION
+
+# --------------------------------------------------------------------------------------
+# helpers
+
+
+def where_am_i() -> str:
+    return ag.get_worker_info().name
+
+
+def square(i: int) -> int:
+    return i * i
+
+
+def sleep_then(seconds: float, value: object = None) -> object:
+    time.sleep(seconds)
+    return value
+
+
+UNPICKLED: list[str] = []
+
+
+def _mark_unpickled(tag: str) -> str:
+    UNPICKLED.append(tag)
+    return tag
+
+
+class _Tripwire:
+    """Unpickling this anywhere in the process records ``tag`` in UNPICKLED."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __reduce__(self) -> Any:
+        return (_mark_unpickled, (self.tag,))
+
+
+def _join(pieces: list[Any]) -> bytes:
+    return b"".join(bytes(p) for p in pieces)
+
+
+def tripwire_call(tag: str) -> bytes:
+    """A well-formed rpc.call frame whose payload marks ``tag`` when unpickled."""
+    payload = Payload.dump((_mark_unpickled, (_Tripwire(tag),), {}, None))
+    return _join(_encode(Call(request_id=1, target="rpc.call", payload=payload)))
+
+
+def client_connection(name: str, rank: int, key: bytes | None) -> Connection:
+    """Our side of a raw connection that *we* open (the initiator role, where the
+    handshake distinguishes roles)."""
+    if "initiator" in inspect.signature(Connection).parameters:
+        return Connection(name=name, rank=rank, auth_key=key, initiator=True)
+    return Connection(name=name, rank=rank, auth_key=key)
+
+
+def port_of(worker: Any) -> int:
+    return int(worker._server.sockets[0].getsockname()[1])
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float) -> float | None:
+    """Seconds until the worker closed the connection, or None if it stayed open."""
+    start = time.monotonic()
+    deadline = start + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            data = await asyncio.wait_for(reader.read(1 << 16), left)
+            if not data:
+                return time.monotonic() - start
+    except TimeoutError:
+        return None
+    except (ConnectionResetError, BrokenPipeError):
+        return time.monotonic() - start
+
+
+async def handshake(
+    port: int, *, name: str, rank: int, key: bytes | None, after_auth: bytes = b""
+) -> tuple[bool, float | None]:
+    """Run our side of the handshake with a raw Connection; send ``after_auth`` right
+    behind our AUTH frame. Returns (we saw Established, seconds until the worker closed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = client_connection(name, rank, key)
+    established = False
+    try:
+        writer.write(_join(conn.data_to_send()))
+        start = time.monotonic()
+        while time.monotonic() - start < 5:
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 16), 5)
+            except (ConnectionResetError, BrokenPipeError):
+                return established, time.monotonic() - start
+            if not data:
+                return established, time.monotonic() - start
+            conn.receive_data(data)
+            with contextlib.suppress(ag.ProtocolError, ag.AuthenticationError):
+                while (event := conn.next_event()) is not None:
+                    established = established or isinstance(event, Established)
+            if out := conn.data_to_send():
+                writer.write(_join(out) + after_auth)
+                after_auth = b""
+        return established, None
+    finally:
+        writer.close()
+
+
+async def assert_still_serves(group: InProcessGroup) -> None:
+    x = torch.randn(3)
+    assert torch.equal(await asyncio.wait_for(ag.rpc_async("worker1", torch.neg, args=(x,)), 5), -x)
+    assert await asyncio.wait_for(ag.rpc_async("worker1", where_am_i), 5) == "worker1"
+
+
+@pytest.fixture
+async def spawn() -> AsyncIterator[Callable[..., Awaitable[list[Any]]]]:
+    """``results = await spawn(specs, timeout)``: run ``init_rpc(**spec)`` for every spec
+    concurrently on this loop, each in its own context (as start_in_process does); a
+    spec's optional ``context_setup`` callable runs inside that context first.
+    Returns per spec the Worker or the exception. Every worker is shut down afterwards."""
+    started: list[Any] = []
+
+    async def run(specs: list[dict[str, Any]], timeout: float = 15.0) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        contexts = [contextvars.copy_context() for _ in specs]
+        specs = [dict(spec) for spec in specs]
+        for spec, ctx in zip(specs, contexts, strict=True):
+            if (setup := spec.pop("context_setup", None)) is not None:
+                ctx.run(setup)
+        tasks = [
+            loop.create_task(ag.init_rpc(**spec), context=ctx)
+            for spec, ctx in zip(specs, contexts, strict=True)
+        ]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        results: list[Any] = []
+        for task, ctx in zip(tasks, contexts, strict=True):
+            worker = ctx.get(_current.current_worker)
+            if worker is not None:
+                started.append(worker)
+            if task.cancelled():
+                results.append(TimeoutError(f"init_rpc did not return within {timeout}s"))
+            elif task.exception() is not None:
+                results.append(task.exception())
+            else:
+                results.append(worker)
+        return results
+
+    yield run
+    await asyncio.gather(
+        *(InProcessGroup([w]).run_as(0, w.shutdown, False, 5.0) for w in started if not w.closed),
+        return_exceptions=True,
+    )
+    _current.set_default(None)
+
+
+def _identity_report() -> dict[str, Any]:
+    return {
+        "me": ag.get_worker_info(),
+        "rank": ag.get_rank(),
+        "world": ag.get_world_size(),
+        "by_rank": [ag.get_worker_info(r) for r in range(ag.get_world_size())],
+    }
+
+
+async def _check_group(workers: list[Any], names: list[str]) -> None:
+    """Every worker knows every other by name and rank, and can call every other."""
+    group = InProcessGroup(workers)
+    n = len(workers)
+    infos = [ag.WorkerInfo(name, r) for r, name in enumerate(names)]
+    for rank in range(n):
+
+        async def report() -> dict[str, Any]:
+            out = _identity_report()
+            out["by_name"] = [ag.get_worker_info(name) for name in names]
+            out["called"] = [await ag.rpc_async(name, where_am_i) for name in names]
+            return out
+
+        out = await asyncio.wait_for(group.run_as(rank, report), 10)
+        assert out["me"] == infos[rank]
+        assert (out["rank"], out["world"]) == (rank, n)
+        assert out["by_rank"] == infos
+        assert out["by_name"] == infos
+        assert out["called"] == names
+
+
+# --------------------------------------------------------------------------------------
+# rendezvous
+
+
+async def test_init_env(monkeypatch, spawn):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # rank 0 takes everything from the environment; rank 1 overrides RANK explicitly
+    results = await spawn([{"name": "envA"}, {"name": "envB", "rank": 1}])
+    assert all(isinstance(r, ag.runtime.Worker) for r in results), results
+    assert [w.rank for w in results] == [0, 1]
+    await _check_group(results, ["envA", "envB"])
+
+
+async def test_init_file(tmp_path, spawn):
+    method = f"file://{tmp_path / 'rendezvous'}"
+    specs = [
+        {"name": f"file{r}", "rank": r, "world_size": 3, "init_method": method} for r in range(3)
+    ]
+    results = await spawn(specs)
+    assert all(isinstance(r, ag.runtime.Worker) for r in results), results
+    await _check_group(results, ["file0", "file1", "file2"])
+
+
+async def test_init_tcp(spawn):
+    method = f"tcp://127.0.0.1:{free_port()}"
+    specs = [
+        {"name": f"tcp{r}", "rank": r, "world_size": 3, "init_method": method} for r in (2, 0, 1)
+    ]
+    results = await spawn(specs)
+    assert all(isinstance(r, ag.runtime.Worker) for r in results), results
+    by_rank = sorted(results, key=lambda w: w.rank)
+    await _check_group(by_rank, ["tcp0", "tcp1", "tcp2"])
+
+
+_RENDEZVOUS_DELAY: contextvars.ContextVar[float] = contextvars.ContextVar("delay", default=0.0)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+async def test_worker_slow_to_read_rendezvous_still_joins(monkeypatch, tmp_path, spawn, scheme):
+    # Processes are scheduled independently: rank 0 may read the rendezvous answer a
+    # little later than rank 1, which then connects at once. Delay rank 0 by 0.3 s.
+    from actorgrad.runtime import _rendezvous
+
+    for cls in (_rendezvous.TcpStore, _rendezvous.FileStore):
+        original = cls.wait_prefix
+
+        async def delayed(self, prefix, count, _original=original):
+            items = await _original(self, prefix, count)
+            if prefix == "worker/":
+                await asyncio.sleep(_RENDEZVOUS_DELAY.get())
+            return items
+
+        monkeypatch.setattr(cls, "wait_prefix", delayed)
+    method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 's'}"
+    options = ag.RpcOptions(init_timeout=1.5)
+    specs = [
+        {"name": f"race{r}", "rank": r, "world_size": 2, "init_method": method, "options": options}
+        for r in range(2)
+    ]
+    specs[0]["context_setup"] = lambda: _RENDEZVOUS_DELAY.set(0.3)
+    results = await spawn(specs, timeout=6)
+    assert all(isinstance(r, ag.runtime.Worker) for r in results), results
+
+
+async def test_get_worker_info_in_group(group3):
+    assert ag.get_worker_info() == ag.WorkerInfo("worker0", 0)
+    assert ag.get_worker_info(None).name == "worker0"
+    assert ag.get_worker_info("worker2") == ag.WorkerInfo("worker2", 2)
+    assert ag.get_worker_info(1).name == "worker1"
+    assert ag.get_worker_info(1).id == 1
+    assert ag.get_rank() == 0
+    assert ag.get_world_size() == 3
+    with pytest.raises(ValueError, match="nope"):
+        ag.get_worker_info("nope")
+    with pytest.raises(ValueError):
+        ag.get_worker_info(3)
+
+    async def on_worker2() -> tuple[Any, int, int]:
+        return ag.get_worker_info(), ag.get_rank(), ag.get_world_size()
+
+    assert await group3.run_as(2, on_worker2) == (ag.WorkerInfo("worker2", 2), 2, 3)
+
+
+async def test_duplicate_worker_names(spawn):
+    method = f"tcp://127.0.0.1:{free_port()}"
+    specs = [
+        {
+            "name": "same",
+            "rank": r,
+            "world_size": 2,
+            "init_method": method,
+            "options": ag.RpcOptions(init_timeout=5),
+        }
+        for r in range(2)
+    ]
+    start = time.monotonic()
+    results = await spawn(specs, timeout=10)
+    assert time.monotonic() - start < 8
+    # rank 0 (which hosts the rendezvous) names the problem; every worker fails promptly
+    assert isinstance(results[0], ValueError), results[0]
+    assert "unique" in str(results[0])
+    for result in results:
+        assert isinstance(result, Exception), result
+        assert not isinstance(result, TimeoutError), result
+
+
+async def test_duplicate_name_on_same_loop(group2):
+    with pytest.raises(ag.ActorgradError, match="worker0"):
+        await ag.init_rpc(
+            "worker0", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}"
+        )
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [(2, 2), (-1, 2), (0, 0)])
+async def test_rank_out_of_range_at_init(rank, world_size):
+    with pytest.raises(ValueError):
+        await ag.init_rpc(
+            "bad", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{free_port()}"
+        )
+
+
+async def test_unsupported_init_method():
+    with pytest.raises(ValueError):
+        await ag.init_rpc("bad", rank=0, world_size=1, init_method="udp://127.0.0.1:1")
+
+
+# --------------------------------------------------------------------------------------
+# authentication
+
+
+async def test_same_auth_key_works(spawn):
+    method = f"tcp://127.0.0.1:{free_port()}"
+    # str and bytes spellings of one key are the same key
+    keys: list[bytes | str] = [b"k", "k", b"k"]
+    specs = [
+        {
+            "name": f"auth{r}",
+            "rank": r,
+            "world_size": 3,
+            "init_method": method,
+            "options": ag.RpcOptions(auth_key=keys[r]),
+        }
+        for r in range(3)
+    ]
+    results = await spawn(specs)
+    assert all(isinstance(r, ag.runtime.Worker) for r in results), results
+    await _check_group(results, ["auth0", "auth1", "auth2"])
+
+
+async def test_different_auth_key_fails_to_join(spawn):
+    method = f"tcp://127.0.0.1:{free_port()}"
+    specs = [
+        {
+            "name": f"key{r}",
+            "rank": r,
+            "world_size": 2,
+            "init_method": method,
+            "options": ag.RpcOptions(auth_key=key, init_timeout=2.0),
+        }
+        for r, key in enumerate([b"right", b"wrong"])
+    ]
+    start = time.monotonic()
+    results = await spawn(specs, timeout=8)
+    assert time.monotonic() - start < 6
+    for result in results:
+        assert isinstance(result, Exception), result
+        assert not isinstance(result, ag.runtime.Worker)
+    # the worker that tried to join learns why (it is not left waiting for a timeout)
+    assert isinstance(results[1], (ag.AuthenticationError, ConnectionError)), results[1]
+
+
+async def test_wrong_auth_digest_is_disconnected_and_nothing_unpickled(make_group):
+    group = await make_group(2, ag.RpcOptions(auth_key=b"k"))
+    tag = f"wrong-key-{time.monotonic()}"
+    established, closed = await handshake(
+        port_of(group.workers[1]),
+        name="intruder",
+        rank=0,
+        key=b"not-k",
+        after_auth=tripwire_call(tag),
+    )
+    assert not established
+    assert closed is not None and closed < 2
+    await asyncio.sleep(0.05)
+    assert tag not in UNPICKLED
+    await assert_still_serves(group)
+
+
+async def test_connection_without_key_is_rejected(make_group):
+    group = await make_group(2, ag.RpcOptions(auth_key=b"k"))
+    tag = f"no-key-{time.monotonic()}"
+    established, closed = await handshake(
+        port_of(group.workers[1]),
+        name="intruder",
+        rank=0,
+        key=None,
+        after_auth=tripwire_call(tag),
+    )
+    assert not established
+    assert closed is not None and closed < 2
+    await asyncio.sleep(0.05)
+    assert tag not in UNPICKLED
+    await assert_still_serves(group)
+
+
+@pytest.mark.parametrize(("name", "rank"), [("worker7", 7), ("worker0", 0)])
+async def test_authenticated_but_unexpected_peer_gets_nothing_unpickled(make_group, name, rank):
+    group = await make_group(2, ag.RpcOptions(auth_key=b"k"))
+    tag = f"unexpected-{name}-{time.monotonic()}"
+    _, closed = await handshake(
+        port_of(group.workers[1]), name=name, rank=rank, key=b"k", after_auth=tripwire_call(tag)
+    )
+    assert closed is not None and closed < 2  # the worker rejects the peer...
+    await asyncio.sleep(0.05)
+    await assert_still_serves(group)
+    assert tag not in UNPICKLED  # ...and must not act on what it sent
+
+
+# --------------------------------------------------------------------------------------
+# hostile raw connections
+
+
+async def test_garbage_bytes_close_the_connection(group2):
+    port = port_of(group2.workers[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(200))
+        closed = await read_until_closed(reader, 5)
+    finally:
+        writer.close()
+    assert closed is not None and closed < 2
+    await assert_still_serves(group2)
+
+
+async def test_data_frame_before_handshake_is_rejected_unread(group2):
+    tag = f"pre-handshake-{time.monotonic()}"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(group2.workers[1]))
+    conn = client_connection("intruder", 0, group2.workers[1].auth_key)
+    try:
+        writer.write(_join(conn.data_to_send()) + tripwire_call(tag))  # HELLO, then a CALL
+        closed = await read_until_closed(reader, 5)
+    finally:
+        writer.close()
+    assert closed is not None and closed < 2
+    await asyncio.sleep(0.05)
+    assert tag not in UNPICKLED
+    await assert_still_serves(group2)
+
+
+async def test_slowloris_does_not_delay_rpcs_and_is_dropped(make_group):
+    group = await make_group(2, ag.RpcOptions(init_timeout=2.0))
+    hello = _join(client_connection("slow", 0, None).data_to_send())
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(group.workers[1]))
+    try:
+        writer.write(hello[: len(hello) // 2])  # half a header... and stall
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        results = [await ag.rpc_async("worker1", square, args=(i,)) for i in range(20)]
+        assert results == [i * i for i in range(20)]
+        assert time.monotonic() - start < 1.0
+        # the stalled handshake is cut off after its deadline (init_timeout)
+        closed = await read_until_closed(reader, 6)
+        assert closed is not None
+    finally:
+        writer.close()
+    await assert_still_serves(group)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: wire/_frames.py FrameDecoder._parse_header allocates the announced body "
+    "(up to max_frame_size) before the handshake; a pre-handshake HELLO/AUTH header "
+    "claiming more than the control-frame limit should be refused at once",
+)
+async def test_oversized_frame_before_handshake_is_refused_at_once(make_group):
+    group = await make_group(2, ag.RpcOptions(init_timeout=3.0))
+    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(Kind.HELLO), 0, 0, 64 << 20, 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(group.workers[1]))
+    try:
+        writer.write(header)
+        closed = await read_until_closed(reader, 1.0)
+    finally:
+        writer.close()
+    assert closed is not None
+
+
+# --------------------------------------------------------------------------------------
+# graceful shutdown
+
+
+async def test_graceful_shutdown_completes_outstanding_calls(make_group):
+    group = await make_group(3)
+    from0 = ag.rpc_async("worker1", sleep_then, args=(0.4, "from0"))
+
+    async def call_from_2() -> object:
+        return await ag.rpc_async("worker1", sleep_then, args=(0.4, "from2"))
+
+    from2 = group.run_as(2, call_from_2)
+    await asyncio.sleep(0.05)  # both calls are in flight
+    start = time.monotonic()
+    await asyncio.wait_for(group.shutdown(graceful=True), 15)
+    assert time.monotonic() - start >= 0.3  # shutdown waited for the outstanding calls
+    assert from0.done() and from2.done()
+    assert from0.result() == "from0"
+    assert from2.result() == "from2"
+    assert all(w.closed for w in group.workers)
+
+
+def _sleep_then_call_worker2(seconds: float) -> str:
+    time.sleep(seconds)
+    return "via " + ag.rpc_sync("worker2", where_am_i)
+
+
+async def test_graceful_shutdown_with_nested_call_in_flight(make_group):
+    group = await make_group(3)
+    fut = ag.rpc_async("worker1", _sleep_then_call_worker2, args=(0.3,))
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(group.shutdown(graceful=True), 15)
+    assert fut.done()
+    assert fut.result() == "via worker2"
+
+
+# --------------------------------------------------------------------------------------
+# workers that die or stall (real processes)
+
+
+async def start_process_group(
+    make_process_group: Callable[..., Awaitable[Any]], n: int, options: ag.RpcOptions | None = None
+) -> Any:
+    """make_process_group with one retry: start-up can hang on the rendezvous race that
+    test_worker_slow_to_read_rendezvous_still_joins shows (remove once that is fixed)."""
+    options = options or ag.RpcOptions()
+    options.init_timeout = 15.0
+    try:
+        return await make_process_group(n, options)
+    except TimeoutError:
+        return await make_process_group(n, options)
+
+
+@pytest.fixture
+def auth_env(monkeypatch):
+    # local_group() stores its key in os.environ; keep it scoped to the test
+    monkeypatch.setenv("ACTORGRAD_AUTH_KEY", os.urandom(8).hex())
+
+
+@pytest.mark.slow
+async def test_killed_worker_raises_worker_lost(make_process_group, auth_env):
+    group = await start_process_group(make_process_group, 2)
+
+    def remote_sleep(seconds: float) -> str:
+        import time
+
+        time.sleep(seconds)
+        return "woke"
+
+    def remote_pid() -> int:
+        import os
+
+        return os.getpid()
+
+    assert await ag.rpc_async("worker1", remote_pid) == group.pids[0]
+    pending = ag.rpc_async("worker1", remote_sleep, args=(30,), timeout=0)
+    await asyncio.sleep(0.3)
+    assert not pending.done()
+    start = time.monotonic()
+    group.kill(1)
+    with pytest.raises(ag.WorkerLost) as info:
+        await asyncio.wait_for(pending, 10)
+    assert time.monotonic() - start < 10
+    assert info.value.worker == "worker1"
+    assert isinstance(info.value, ConnectionError)
+
+    start = time.monotonic()
+    with pytest.raises(ag.WorkerLost):
+        await ag.rpc_async("worker1", remote_pid)
+    with pytest.raises(ag.WorkerLost):
+        await ag.rpc_async("worker1", torch.add, args=(1, 2))
+    assert time.monotonic() - start < 0.5
+
+    start = time.monotonic()
+    await asyncio.wait_for(ag.shutdown(), 10)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.slow
+async def test_killing_one_worker_leaves_the_others_serving(make_process_group, auth_env):
+    group = await start_process_group(make_process_group, 3)
+
+    def ask(worker: str) -> str:
+        import actorgrad as ag
+
+        return ag.rpc_sync(worker, ag.get_worker_info).name
+
+    assert await ag.rpc_async("worker1", ask, args=("worker2",)) == "worker2"
+    group.kill(2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            await ag.rpc_async("worker2", ask, args=("worker1",), timeout=1)
+        except ag.WorkerLost:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("worker2 was not reported lost")
+    x = torch.randn(4)
+    for _ in range(5):
+        assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=(x,), timeout=5), -x)
+    # worker1 itself learned that worker2 is gone and says so
+    with pytest.raises(ag.RemoteError) as info:
+        await ag.rpc_async("worker1", ask, args=("worker2",), timeout=10)
+    assert "WorkerLost" in info.value.remote_type
+    assert await ag.rpc_async("worker1", ask, args=("worker0",), timeout=5) == "worker0"
+    start = time.monotonic()
+    await asyncio.wait_for(ag.shutdown(), 10)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.slow
+async def test_stalled_worker_is_lost_by_heartbeat(make_process_group, auth_env):
+    group = await start_process_group(
+        make_process_group, 2, ag.RpcOptions(heartbeat_interval=0.2, heartbeat_timeout=3.0)
+    )
+    pid = group.pids[0]
+
+    def remote_sleep(seconds: float) -> str:
+        import time
+
+        time.sleep(seconds)
+        return "woke"
+
+    pending = ag.rpc_async("worker1", remote_sleep, args=(60,), timeout=0)
+    try:
+        # healthy but busy for longer than the heartbeat timeout: not declared lost
+        await asyncio.sleep(3.5)
+        assert not pending.done()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(ag.WorkerLost):
+            await asyncio.wait_for(pending, 10)
+        assert time.monotonic() - start < 5
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        group.kill(1)
+
+
+@pytest.mark.slow
+async def test_heartbeat_timeout_does_not_kill_healthy_busy_peer(make_process_group, auth_env):
+    # worker0 pings every 0.2 s and wants an answer within 0.5 s; worker1 runs with the
+    # default options (heartbeat_interval=1.0) and is healthy: its loop is idle while
+    # the call runs in its thread pool.
+    await start_process_group(
+        make_process_group, 2, ag.RpcOptions(heartbeat_interval=0.2, heartbeat_timeout=0.5)
+    )
+
+    def remote_sleep(seconds: float) -> str:
+        import time
+
+        time.sleep(seconds)
+        return "woke"
+
+    assert await ag.rpc_async("worker1", remote_sleep, args=(3.0,), timeout=10) == "woke"
