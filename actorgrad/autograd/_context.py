@@ -13,9 +13,12 @@ in the group without coordination.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import itertools
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +32,46 @@ from ..wire import Payload
 from ._messages import ReleaseContext
 
 _ID_BITS = 48
+_RELEASED_MEMORY = 100_000  # ids of released contexts remembered, to ignore late messages
+_REAPER_STACK = 512 << 20
+
+
+class _Reaper:
+    """Frees released contexts on a thread with a large stack.
+
+    Freeing a deep autograd graph (tens of thousands of nodes in a chain) whose nodes
+    were walked from Python recurses once per node in torch and can overflow the
+    event loop thread's stack; a dedicated thread with a big stack frees it safely.
+    """
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def drop(self, item: object) -> None:
+        with self._lock:
+            if self._thread is None:
+                previous = threading.stack_size(_REAPER_STACK)
+                try:
+                    self._thread = threading.Thread(target=self._run, name="actorgrad-reaper", daemon=True)
+                    self._thread.start()
+                finally:
+                    threading.stack_size(previous)
+        self._items.put(item)
+
+    def _run(self) -> None:
+        while True:
+            item = self._items.get()
+            if isinstance(item, DistContext):
+                item.graph_tasks.clear()
+                item.sends.clear()
+                item.recvs.clear()
+                item.grads.clear()
+            del item
+
+
+reaper = _Reaper()
 
 current_context: contextvars.ContextVar[DistContext | None] = contextvars.ContextVar(
     "actorgrad_autograd_context", default=None
@@ -91,6 +134,8 @@ class ContextActor(CallHooks):
         self.worker = worker
         self.contexts: dict[int, DistContext] = {}
         self._ids = itertools.count(1)
+        self._released: collections.deque[int] = collections.deque(maxlen=_RELEASED_MEMORY)
+        self._released_set: set[int] = set()
 
     def new_id(self) -> int:
         return (self.worker.rank << _ID_BITS) | next(self._ids)
@@ -132,6 +177,8 @@ class ContextActor(CallHooks):
         context_id, message_id = meta
         ctx = self.contexts.get(context_id)
         if ctx is None:
+            if context_id in self._released_set or context_id >> _ID_BITS == self.worker.rank:
+                return  # a late message for a context released here: nothing to record
             ctx = self.contexts[context_id] = DistContext(context_id)
         ctx.peers.add(src)
         leaves = [t for t in payload.tensors if t.requires_grad]
@@ -157,11 +204,15 @@ class ContextActor(CallHooks):
         ctx = self.contexts.pop(context_id, None)
         if ctx is None:
             return
+        if len(self._released) == self._released.maxlen:
+            self._released_set.discard(self._released[0])
+        self._released.append(context_id)
+        self._released_set.add(context_id)
         ctx.released = True
         for handle in ctx.hooked.values():
             handle.remove()
         ctx.hooked.clear()
-        ctx.graph_tasks.clear()
+        reaper.drop(ctx)
         message = Payload.dump(ReleaseContext(context_id=context_id))
         for peer in ctx.peers - {came_from, self.worker.rank}:
             with contextlib.suppress(Exception):  # a lost peer has nothing left to free

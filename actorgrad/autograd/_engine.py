@@ -54,6 +54,7 @@ class GraphTask:
     reached: set[int] = field(default_factory=set)  # SMART: send ids discovery reached
     traversed: set[int] = field(default_factory=set)  # SMART: recv ids traversed from here
     plan: Plan | None = None
+    planning: asyncio.Future[Plan] | None = None
 
 
 class EngineActor:
@@ -70,13 +71,19 @@ class EngineActor:
             task = ctx.graph_tasks[backward_id] = GraphTask(backward_id, mode, retain)
         return task
 
-    def _plan(self, ctx: DistContext, task: GraphTask, roots: Sequence[torch.Tensor] = ()) -> Plan:
-        if task.plan is None:
+    async def plan(self, ctx: DistContext, task: GraphTask, roots: Sequence[torch.Tensor] = ()) -> Plan:
+        """The task's plan, made once on the thread pool (big graphs take a while)."""
+        if task.plan is not None:
+            return task.plan
+        if task.planning is None:
             sends = ctx.sends if task.mode == "fast" else {m: ctx.sends[m] for m in task.reached}
             starts: dict[Hashable, Sequence[torch.Tensor]] = {("send", m): e.tensors for m, e in sends.items()}
             if roots:
                 starts[ROOTS] = roots
-            task.plan = make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
+            task.planning = self.worker.run_blocking(
+                lambda: make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
+            )
+        task.plan = await asyncio.shield(task.planning)
         return task.plan
 
     # -- SMART discovery ------------------------------------------------------------
@@ -123,15 +130,15 @@ class EngineActor:
         entry = self._send_entry(ctx, msg.message_id)
         entry.fired = True
         task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
-        plan = self._plan(ctx, task)
         key = ("send", msg.message_id)
-        if key not in plan.feeds:
-            raise ContextError(
-                f"gradients arrived for send {msg.message_id} of context {ctx.context_id}, "
-                "which discovery did not reach"
-            )
 
         async def run() -> Payload:
+            plan = await self.plan(ctx, task)
+            if key not in plan.feeds:
+                raise ContextError(
+                    f"gradients arrived for send {msg.message_id} of context {ctx.context_id}, "
+                    "which discovery did not reach"
+                )
             report = await self.run_start(ctx, task, key, entry.tensors, list(msg.grads))
             return Payload.dump(report.merge(BackwardReport(pairs={}, fired=frozenset({msg.message_id}))))
 
@@ -348,7 +355,7 @@ async def backward(
     try:
         if mode == "smart":
             await engine.discover(ctx, task, roots)
-        engine._plan(ctx, task, roots)
+        await engine.plan(ctx, task, roots)
         report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)

@@ -56,7 +56,6 @@ class _LocalOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
         self.optimizer = optimizer
         self.params = params
-        self.lock = asyncio.Lock()
 
 
 class OptimizerActor:
@@ -65,6 +64,9 @@ class OptimizerActor:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.optimizers: dict[tuple[int, int], _LocalOptimizer] = {}
+        # One lock for all local optimizers: two optimizers may share parameters, and
+        # each assigns and clears .grad around its step (PyTorch also uses one lock).
+        self.lock = asyncio.Lock()
 
     def on_create(self, peer: Any, payload: Payload) -> Any:
         msg: CreateOptimizer = payload.load()
@@ -89,7 +91,7 @@ class OptimizerActor:
         if local is None:
             raise RuntimeError(f"{self.worker.name} has no optimizer {optimizer_id}")
         grads = _context.context_actor(self.worker).get(context_id).grads
-        async with local.lock:
+        async with self.lock:
             update = [(p, grads.get(p)) for p in local.params]
 
             def apply() -> None:

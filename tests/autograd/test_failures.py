@@ -1,0 +1,364 @@
+"""Distributed backward when things go wrong: remote errors, lost workers, unused RPCs,
+and a loop that must keep serving while a big backward runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from _ag_helpers import assert_grads, debug_infos, local_copies, wait_released
+
+import actorgrad as ag
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise ValueError("backward exploded on purpose 4711")
+
+
+def failing_fn(x: torch.Tensor) -> torch.Tensor:
+    return FailingBackward.apply(x) + x
+
+
+async def nested_failing(x: torch.Tensor) -> torch.Tensor:
+    y = await ag.rpc_async("worker2", failing_fn, args=(x * 3,))
+    return y * x
+
+
+def rand3() -> torch.Tensor:
+    return torch.rand(3, 3, requires_grad=True)
+
+
+# -- remote errors ----------------------------------------------------------------------------
+
+
+async def test_remote_error_during_backward(group2):
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", failing_fn, args=(x,))
+        with pytest.raises(ag.RemoteError) as info:
+            await asyncio.wait_for(ag.autograd.backward(context_id, [(y * x).sum()]), 10)
+        assert "backward exploded on purpose 4711" in str(info.value)
+        assert "ValueError" in str(info.value)
+    await wait_released(["worker0", "worker1"])
+
+
+async def test_remote_error_two_hops_away(group3):
+    x = rand3()
+    with pytest.raises(ag.RemoteError) as info:
+        async with ag.autograd.context() as context_id:
+            y = await ag.rpc_async("worker1", nested_failing, args=(x,))
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+    assert "backward exploded on purpose 4711" in str(info.value)
+    await wait_released(["worker0", "worker1", "worker2"])
+
+
+# -- a worker dies in the middle of the backward ------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_worker_killed_during_backward(make_process_group):
+    group = await make_process_group(2)
+
+    class SlowBackward(torch.autograd.Function):  # travels by value (cloudpickle)
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            time.sleep(3)
+            return grad * 2
+
+    def slow_fn(x):  # type: ignore[no-untyped-def]
+        return SlowBackward.apply(x)
+
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", slow_fn, args=(x,))
+        task = asyncio.ensure_future(ag.autograd.backward(context_id, [(y * y).sum()]))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        assert ag.autograd.debug_info()["num_current_backward_passes"] >= 1
+        started = time.monotonic()
+        group.kill(1)
+        with pytest.raises((ag.WorkerLost, ag.RemoteError)) as info:
+            await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 10
+        if isinstance(info.value, ag.RemoteError):
+            assert "WorkerLost" in str(info.value) or isinstance(
+                info.value.__cause__, ag.WorkerLost
+            )
+        assert ag.autograd.debug_info()["num_current_backward_passes"] == 0
+    info_after = ag.autograd.debug_info()
+    assert info_after["num_current_backward_passes"] == 0
+    assert info_after["num_autograd_contexts"] == 0
+
+
+@pytest.mark.slow
+async def test_worker_killed_two_hops_away(make_process_group):
+    """worker0 -> worker1 -> worker2; worker2 dies while it backpropagates."""
+    group = await make_process_group(3)
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            time.sleep(3)
+            return grad * 2
+
+    def slow_fn(x):  # type: ignore[no-untyped-def]
+        return SlowBackward.apply(x)
+
+    async def via_worker1(x):  # type: ignore[no-untyped-def]
+        return (await ag.rpc_async("worker2", slow_fn, args=(x * 3,))) * x
+
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", via_worker1, args=(x,))
+        task = asyncio.ensure_future(ag.autograd.backward(context_id, [y.sum()]))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        group.kill(2)
+        with pytest.raises((ag.WorkerLost, ag.RemoteError)) as info:
+            await asyncio.wait_for(task, 10)
+        if isinstance(info.value, ag.RemoteError):
+            assert "WorkerLost" in str(info.value) or "lost" in str(info.value)
+    await wait_released(["worker0", "worker1"], timeout=5)
+
+
+class SleepyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)
+        return grad * 2
+
+
+def sleepy_fn(x: torch.Tensor) -> torch.Tensor:
+    return SleepyBackward.apply(x)
+
+
+async def test_backward_times_out_with_rpc_timeout(make_group):
+    await make_group(2, ag.RpcOptions(rpc_timeout=0.3))
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", sleepy_fn, args=(x,))
+        started = time.monotonic()
+        with pytest.raises(ag.RpcTimeout):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+        assert time.monotonic() - started < 5  # raised, not waited out
+    await wait_released(["worker0", "worker1"])
+
+
+# -- unused RPCs: FAST mode refuses, SMART mode skips -----------------------------------------------
+
+
+async def _unused_rpc_forward():
+    a, b, c = rand3(), rand3(), rand3()
+    d = await ag.rpc_async("worker1", torch.add, args=(a, b))
+    e = await ag.rpc_async("worker1", torch.mul, args=(b, c))
+    return (a, b, c), d, e
+
+
+async def test_unused_rpc_fast_mode_raises(group2):
+    async with ag.autograd.context() as context_id:
+        _, d, _e = await _unused_rpc_forward()
+        with pytest.raises(ag.ContextError, match="smart"):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [d.sum()], mode="fast"), 10)
+    await wait_released(["worker0", "worker1"])
+
+
+async def test_unused_rpc_smart_mode_skips(group2):
+    async with ag.autograd.context() as context_id:
+        (a, b, c), d, _e = await _unused_rpc_forward()
+        await asyncio.wait_for(ag.autograd.backward(context_id, [d.sum()], mode="smart"), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    la, lb, lc = local_copies(a, b, c)
+    _le = lb * lc
+    (la + lb).sum().backward()
+    assert lc.grad is None
+    assert_grads(grads, [(a, la.grad), (b, lb.grad), (c, None)])
+    await wait_released(["worker0", "worker1"])
+
+
+async def test_smart_mode_as_default_option(make_group):
+    await make_group(2, ag.RpcOptions(autograd_mode="smart"))
+    async with ag.autograd.context() as context_id:
+        (a, b, c), d, _e = await _unused_rpc_forward()
+        await asyncio.wait_for(
+            ag.autograd.backward(context_id, [(d * d).sum()], retain_graph=True), 10
+        )
+        grads = {t: g.clone() for t, g in ag.autograd.get_gradients(context_id).items()}
+        # an explicit mode still wins over the default
+        with pytest.raises(ag.ContextError, match="smart"):
+            await asyncio.wait_for(
+                ag.autograd.backward(context_id, [(d * 2).sum()], mode="fast"), 10
+            )
+    la, lb, lc = local_copies(a, b, c)
+    ((la + lb) * (la + lb)).sum().backward()
+    assert_grads(grads, [(a, la.grad), (b, lb.grad), (c, None)])
+
+
+async def nested_with_unused(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: one nested RPC to worker2 is used, one is not."""
+    used = await ag.rpc_async("worker2", torch.sin, args=(x,))
+    _unused = await ag.rpc_async("worker2", torch.cos, args=(x * 5,))
+    return used * x
+
+
+async def test_unused_nested_rpc(group3):
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        r = await ag.rpc_async("worker1", nested_with_unused, args=(x,))
+        with pytest.raises(ag.ContextError, match="smart"):
+            await asyncio.wait_for(
+                ag.autograd.backward(context_id, [r.sum()], retain_graph=True), 10
+            )
+    async with ag.autograd.context() as context_id:
+        r = await ag.rpc_async("worker1", nested_with_unused, args=(x,))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [r.sum()], mode="smart"), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (torch.sin(lx) * lx).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    await wait_released(["worker0", "worker1", "worker2"])
+
+
+# -- the event loop keeps serving during a big backward ------------------------------------------
+
+
+def long_chain(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = torch.tanh(x @ w)
+    return x
+
+
+def small_python_fn(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+async def test_loop_responsive_during_big_backward(group2):
+    torch.manual_seed(0)
+    size, depth = 256, 200
+    x = torch.randn(size, size, requires_grad=True)
+    w = (torch.randn(size, size) / size**0.5).requires_grad_()
+    small = torch.ones(4)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", long_chain, args=(x, w, depth))
+        loss = y.sum()
+        start = time.monotonic()
+        backward = asyncio.ensure_future(ag.autograd.backward(context_id, [loss]))
+        # wait until worker1 is busy with its part of the graph
+        while (await ag.rpc_async("worker1", ag.autograd.debug_info))[
+            "num_current_backward_passes"
+        ] == 0:
+            assert not backward.done() and time.monotonic() - start < 10
+            await asyncio.sleep(0.005)
+        latencies, overlapped = [], 0
+        for i in range(20):
+            t0 = time.monotonic()
+            if i % 2:
+                out = await ag.rpc_async("worker1", torch.add, args=(small, small))
+            else:
+                out = await ag.rpc_async("worker1", small_python_fn, args=(small,))
+            latencies.append(time.monotonic() - t0)
+            overlapped += not backward.done()
+            assert out.shape == (4,)
+        await asyncio.wait_for(backward, 60)
+        grads = ag.autograd.get_gradients(context_id)
+    assert max(latencies) < 0.5, latencies
+    assert overlapped >= 5, f"the backward ended before most small RPCs ran ({overlapped})"
+    lx, lw = local_copies(x, w)
+    long_chain(lx, lw, depth).sum().backward()
+    assert_grads(grads, [(x, lx.grad), (w, lw.grad)])
+
+
+def wide_graph(x: torch.Tensor, depth: int) -> torch.Tensor:
+    """About 100 * len(x) autograd nodes, but only ``2 * depth + 3`` deep."""
+    rows = []
+    for row in x.unbind():
+        for _ in range(depth):
+            row = row * 1.0001 + 0.001
+        rows.append(row)
+    return torch.stack(rows)
+
+
+async def _max_loop_stall(stop: asyncio.Event) -> float:
+    worst, period = 0.0, 0.01
+    while not stop.is_set():
+        t0 = time.monotonic()
+        await asyncio.sleep(period)
+        worst = max(worst, time.monotonic() - t0 - period)
+    return worst
+
+
+async def test_loop_responsive_while_planning_a_graph_of_many_nodes(group2):
+    x = torch.rand(1200, 4, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", wide_graph, args=(x, 50))  # ~120k nodes there
+        stop = asyncio.Event()
+        monitor = asyncio.ensure_future(_max_loop_stall(stop))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 60)
+        stop.set()
+        stall = await monitor
+        grads = ag.autograd.get_gradients(context_id)
+    torch.testing.assert_close(grads[x], torch.full_like(x, 1.0001**50))
+    assert stall < 0.5, f"the event loop stalled for {stall:.2f}s during the backward"
+
+
+@pytest.mark.slow
+async def test_deep_graph_released_without_crashing_the_worker(make_process_group):
+    group = await make_process_group(2)
+
+    def deep_chain(x, n):  # type: ignore[no-untyped-def]  (sent by value)
+        for _ in range(n):
+            x = x * 1.0 + 0.001
+        return x
+
+    x = torch.rand(4, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", deep_chain, args=(x, 30_000))  # 60k nodes there
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 60)
+        grads = ag.autograd.get_gradients(context_id)
+    torch.testing.assert_close(grads[x], torch.ones_like(x))
+    # worker1 releases the context (and frees its graph) now; it must still be alive
+    await asyncio.sleep(0.5)
+    try:
+        info = await asyncio.wait_for(ag.rpc_async("worker1", ag.autograd.debug_info), 10)
+    except ag.WorkerLost:
+        await asyncio.sleep(0.5)
+        pytest.fail(f"worker1 died after the release (exit status {group.processes[0].poll()})")
+    assert info["num_autograd_contexts"] == 0
+
+
+# -- a reply that arrives after the context was released --------------------------------------
+
+
+@pytest.mark.slow
+async def test_late_reply_after_exit_does_not_resurrect_context(make_process_group):
+    await make_process_group(2)
+    x = rand3()
+    async with ag.autograd.context():
+        fut = ag.rpc_async("worker1", torch.mul, args=(x, x))
+        time.sleep(0.5)  # noqa: ASYNC251 - block this loop: worker1 (a process) answers meanwhile
+    # the context is released here, before this loop has read worker1's answer
+    result = await fut
+    assert result.requires_grad
+    await asyncio.sleep(0.1)
+    infos = await debug_infos(["worker0", "worker1"])
+    assert all(i["num_autograd_contexts"] == 0 for i in infos.values()), infos

@@ -1,0 +1,238 @@
+"""DistributedOptimizer: every owner's update equals a local optimizer on the same math."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import actorgrad as ag
+
+
+def make_param(seed: int, shape: tuple[int, ...] = (3, 3)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g).requires_grad_()
+
+
+def clone_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+def scaled_sum(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (p * x).tanh().sum()
+
+
+async def owner_num_optimizers(name: str) -> int:
+    return await ag.rpc_async(name, _num_optimizers)
+
+
+def _num_optimizers() -> int:
+    from actorgrad.runtime import get_worker
+
+    return len(get_worker().extensions["optim"].optimizers)
+
+
+async def test_sgd_remote_params(group2):
+    x = torch.rand(3, 3, requires_grad=True)
+    rref1 = ag.remote("worker1", make_param, args=(1,))
+    rref2 = ag.remote("worker1", make_param, args=(2,))
+    before1, before2 = await rref1.to_here(), await rref2.to_here()
+    async with ag.autograd.context() as context_id:
+        p1, p2 = await rref1.to_here(), await rref2.to_here()
+        loss = (p1 * x + p2 * p1).pow(2).sum()
+        await ag.autograd.backward(context_id, [loss])
+        opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [rref1, rref2], lr=0.05)
+        await opt.zero_grad()
+        await opt.step(context_id)
+        x_grad = ag.autograd.get_gradients(context_id)[x]
+
+    l1, l2, lx = clone_leaf(before1), clone_leaf(before2), clone_leaf(x)
+    local = torch.optim.SGD([l1, l2], lr=0.05)
+    (l1 * lx + l2 * l1).pow(2).sum().backward()
+    torch.testing.assert_close(x_grad, lx.grad)
+    local.step()
+    torch.testing.assert_close(await rref1.to_here(), l1.detach())
+    torch.testing.assert_close(await rref2.to_here(), l2.detach())
+    # on the owner, .grad is cleared again after the step
+    assert await ag.rpc_async("worker1", _owner_grad_is_none, args=(rref1,))
+
+
+def _owner_grad_is_none(rref: ag.RRef) -> bool:
+    return rref.local_value().grad is None
+
+
+async def test_adam_two_steps_in_two_contexts(group2):
+    rref = ag.remote("worker1", make_param, args=(3,))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(torch.optim.Adam, [rref], lr=0.1, betas=(0.8, 0.9))
+    xs = [torch.rand(3, 3), torch.rand(3, 3) * 2]
+    for x in xs:
+        async with ag.autograd.context() as context_id:
+            p = await rref.to_here()
+            loss = (await ag.rpc_async("worker1", scaled_sum, args=(p, x))) * 3
+            await ag.autograd.backward(context_id, [loss])
+            await opt.step(context_id)
+
+    lp = clone_leaf(before)
+    local = torch.optim.Adam([lp], lr=0.1, betas=(0.8, 0.9))
+    for x in xs:
+        local.zero_grad()
+        (scaled_sum(lp, x) * 3).backward()
+        local.step()
+    torch.testing.assert_close(await rref.to_here(), lp.detach())
+
+
+async def test_params_on_two_owners_and_a_local_param(group3):
+    r1 = ag.remote("worker1", make_param, args=(4,))
+    r2 = ag.remote("worker2", make_param, args=(5, (3,)))
+    mine = torch.rand(3, 3, requires_grad=True)
+    r0 = ag.RRef(mine)
+    b1, b2, b0 = await r1.to_here(), await r2.to_here(), mine.detach().clone()
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [r1, r2, r0], lr=0.2, momentum=0.9)
+    data = [torch.rand(3, 3) for _ in range(2)]
+    for x in data:
+        async with ag.autograd.context() as context_id:
+            p1 = await r1.to_here()
+            p2 = await r2.to_here()
+            h = await ag.rpc_async("worker2", torch.mul, args=(p1 @ x, r0.local_value()))
+            loss = ((h + p2) * p1).sum() + r0.local_value().pow(2).sum()
+            await ag.autograd.backward(context_id, [loss])
+            await opt.step(context_id)
+
+    l1, l2, l0 = clone_leaf(b1), clone_leaf(b2), clone_leaf(b0)
+    local = torch.optim.SGD([l1, l2, l0], lr=0.2, momentum=0.9)
+    for x in data:
+        local.zero_grad()
+        (((l1 @ x) * l0 + l2) * l1).sum().add(l0.pow(2).sum()).backward()
+        local.step()
+    torch.testing.assert_close(await r1.to_here(), l1.detach())
+    torch.testing.assert_close(await r2.to_here(), l2.detach())
+    torch.testing.assert_close(mine.detach(), l0.detach())  # updated in place, on worker0
+    assert mine.grad is None
+    assert await owner_num_optimizers("worker1") == 1
+    assert await owner_num_optimizers("worker2") == 1
+
+
+async def _step_in_own_context(opt, rref, x, barrier: asyncio.Barrier) -> None:
+    async with ag.autograd.context() as context_id:
+        p = await rref.to_here()
+        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
+        await barrier.wait()  # every context has its gradients: step them all at once
+        await opt.step(context_id)
+
+
+async def test_concurrent_steps_of_one_optimizer(group2):
+    """Four contexts stepped at once: plain SGD updates add up (steps are serialized)."""
+    rref = ag.remote("worker1", make_param, args=(6, (256, 256)))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [rref], lr=0.01)
+    xs = [torch.rand(256, 256) for _ in range(4)]
+    barrier = asyncio.Barrier(len(xs))
+    await asyncio.gather(*(_step_in_own_context(opt, rref, x, barrier) for x in xs))
+    lp = clone_leaf(before)
+    sum(scaled_sum(lp, x) for x in xs).backward()
+    torch.testing.assert_close(await rref.to_here(), (lp - 0.01 * lp.grad).detach())
+
+
+async def test_step_with_unknown_context_raises(group2):
+    rref = ag.remote("worker1", make_param, args=(7,))
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [rref], lr=0.1)
+    before = await rref.to_here()
+    async with ag.autograd.context() as context_id:
+        p = await rref.to_here()
+        await ag.autograd.backward(context_id, [p.sum()])
+    with pytest.raises((ag.ContextError, ag.RemoteError)):
+        await opt.step(context_id)  # released: its gradients are gone
+    torch.testing.assert_close(await rref.to_here(), before)
+
+
+def test_needs_rrefs():
+    with pytest.raises((ValueError, RuntimeError)):
+        ag.optim.DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD whose step takes a while (as with big parameters): widens any race window."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        time.sleep(0.2)
+        return super().step(closure)
+
+
+async def _step_in_own_context_with(opt, rref, x, barrier: asyncio.Barrier) -> None:
+    async with ag.autograd.context() as context_id:
+        p = await rref.to_here()
+        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
+        await barrier.wait()
+        await opt.step(context_id)
+
+
+async def test_concurrent_slow_steps_of_one_optimizer(group2):
+    rref = ag.remote("worker1", make_param, args=(11,))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(SlowSGD, [rref], lr=0.1)
+    xs = [torch.rand(3, 3) for _ in range(2)]
+    barrier = asyncio.Barrier(len(xs))
+    await asyncio.gather(*(_step_in_own_context_with(opt, rref, x, barrier) for x in xs))
+    lp = clone_leaf(before)
+    sum(scaled_sum(lp, x) for x in xs).backward()
+    torch.testing.assert_close(await rref.to_here(), (lp - 0.1 * lp.grad).detach())
+
+
+async def test_two_optimizers_on_the_same_params_are_serialized(group2):
+    """API: concurrent steps on the same parameters are serialized, also when they come
+    from two DistributedOptimizers (PyTorch's _LocalOptimizer shares one global lock)."""
+    rref = ag.remote("worker1", make_param, args=(12,))
+    before = await rref.to_here()
+    lrs = (0.1, 0.2)
+    opts = [ag.optim.DistributedOptimizer(SlowSGD, [rref], lr=lr) for lr in lrs]
+    xs = [torch.rand(3, 3) for _ in lrs]
+    barrier = asyncio.Barrier(len(opts))
+    await asyncio.gather(
+        *(_step_in_own_context_with(opt, rref, x, barrier) for opt, x in zip(opts, xs, strict=True))
+    )
+    lp = clone_leaf(before)
+    grads = [torch.autograd.grad(scaled_sum(lp, x), lp)[0] for x in xs]
+    expected = lp.detach() - lrs[0] * grads[0] - lrs[1] * grads[1]
+    torch.testing.assert_close(await rref.to_here(), expected)
+
+
+def _param_rrefs(module_rref: ag.RRef) -> list[ag.RRef]:
+    return [ag.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+async def test_model_parallel_remote_module(group3):
+    """The PyTorch tutorial pattern: modules on two workers, parameter RRefs from their
+    owners, forward through rref.rpc_async() proxies, one DistributedOptimizer."""
+    first = ag.remote("worker1", make_model, args=(1,))
+    head = ag.remote("worker2", torch.nn.Linear, args=(2, 1))
+    params = await ag.rpc_async("worker1", _param_rrefs, args=(first,)) + await ag.rpc_async(
+        "worker2", _param_rrefs, args=(head,)
+    )
+    local_first, local_head = await first.to_here(), await head.to_here()
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.1, momentum=0.5)
+    local_opt = torch.optim.SGD(
+        [*local_first.parameters(), *local_head.parameters()], lr=0.1, momentum=0.5
+    )
+    batches = [(torch.randn(5, 4), torch.randn(5, 1)) for _ in range(3)]
+    for x, target in batches:
+        async with ag.autograd.context() as context_id:
+            h = await first.rpc_async().forward(x)
+            out = await head.rpc_async().forward(h)
+            loss = torch.nn.functional.mse_loss(out, target)
+            await ag.autograd.backward(context_id, [loss])
+            await opt.step(context_id)
+        local_opt.zero_grad()
+        torch.nn.functional.mse_loss(local_head(local_first(x)), target).backward()
+        local_opt.step()
+    for remote_module, local_module in ((first, local_first), (head, local_head)):
+        got = (await remote_module.to_here()).state_dict()
+        for name, value in local_module.state_dict().items():
+            torch.testing.assert_close(got[name], value, msg=name)
