@@ -213,10 +213,12 @@ class ContextActor(CallHooks):
             handle.remove()
         ctx.hooked.clear()
         reaper.drop(ctx)
-        message = Payload.dump(ReleaseContext(context_id=context_id))
-        for peer in ctx.peers - {came_from, self.worker.rank}:
-            with contextlib.suppress(Exception):  # a lost peer has nothing left to free
-                self.worker.tell(peer, ReleaseContext.TARGET, message)
+        peers = ctx.peers - {came_from, self.worker.rank}
+        if peers:
+            message = Payload.dump(ReleaseContext(context_id=context_id))
+            for peer in peers:
+                with contextlib.suppress(Exception):  # a lost peer has nothing left to free
+                    self.worker.tell(peer, ReleaseContext.TARGET, message)
 
     def on_release(self, peer: Any, payload: Payload) -> None:
         msg = payload.load()

@@ -39,9 +39,16 @@ from ..runtime import Worker, get_worker
 from ..wire import Payload
 from ._context import ContextActor, DistContext, context_actor
 from ._messages import BackwardReport, PropagateGrads, Traverse
-from ._plan import Plan, make_plan, reached_recvs, suppressing
+from ._plan import Plan, TooBig, make_plan, reached_recvs, suppressing
 
 ROOTS = ("roots",)
+# Work small enough to do on the event loop itself: a hop to the thread pool costs more.
+_INLINE_PLAN_NODES = 256
+_INLINE_JOB_NODES = 32
+_INLINE_JOB_BYTES = 1 << 20
+# torch.autograd.grad minus its argument checks (and their first-use imports): our
+# gradients always match their outputs.
+_run_backward = torch.autograd.Variable._execution_engine.run_backward
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +62,7 @@ class GraphTask:
     traversed: set[int] = field(default_factory=set)  # SMART: recv ids traversed from here
     plan: Plan | None = None
     planning: asyncio.Future[Plan] | None = None
+    reported_pairs: bool = False  # FAST: this worker's pairs went into a report already
 
 
 class EngineActor:
@@ -80,9 +88,13 @@ class EngineActor:
             starts: dict[Hashable, Sequence[torch.Tensor]] = {("send", m): e.tensors for m, e in sends.items()}
             if roots:
                 starts[ROOTS] = roots
-            task.planning = self.worker.run_blocking(
-                lambda: make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
-            )
+            try:  # small graphs: right here; big ones on the pool, the loop keeps serving
+                task.plan = make_plan(starts, ctx.recv_of_leaf, ctx.hooked, _INLINE_PLAN_NODES)
+                return task.plan
+            except TooBig:
+                task.planning = self.worker.run_blocking(
+                    lambda: make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
+                )
         task.plan = await asyncio.shield(task.planning)
         return task.plan
 
@@ -164,19 +176,22 @@ class EngineActor:
                 retain = task.retain_graph or bool(suppress)
 
                 tracer = self.worker.tracer
-                region = plan.regions.get(key, []) if tracer.enabled else []
+                region = plan.regions.get(key, [])
+                traced = region if tracer.enabled else []
 
                 def compute() -> Sequence[torch.Tensor | None]:
                     with suppressing(suppress), tracer.span(
                         "backward job", "autograd",
                         {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
-                    ), _traced_nodes(tracer, region):
-                        return torch.autograd.grad(
-                            [o for o, _ in pairs], inputs, [g for _, g in pairs],
-                            retain_graph=retain, allow_unused=True,
+                    ), _traced_nodes(tracer, traced):
+                        return _run_backward(  # type: ignore[no-any-return]
+                            tuple(o for o, _ in pairs), tuple(g for _, g in pairs),
+                            retain, False, tuple(inputs), True, False,
                         )
 
-                results = await self.worker.run_blocking(compute)
+                small = len(region) <= _INLINE_JOB_NODES and sum(
+                    g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES
+                results = compute() if small else await self.worker.run_blocking(compute)
             # deliver this job's shares
             it = iter(results)
             for leaf in feeds.leaves:
@@ -210,10 +225,11 @@ class EngineActor:
                     followups.append(asyncio.ensure_future(self.run_start(
                         ctx, task, node, [e for e, _ in edges], [g for _, g in edges]
                     )))
-            report = BackwardReport(
-                pairs={m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)} if task.mode == "fast" else {},
-                fired=frozenset(fired),
-            )
+            pairs_here: dict[int, str] = {}
+            if task.mode == "fast" and not task.reported_pairs:  # once per worker and pass
+                task.reported_pairs = True
+                pairs_here = {m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)}
+            report = BackwardReport(pairs=pairs_here, fired=frozenset(fired))
             for answer in await _all_or_first_error(followups):
                 if isinstance(answer, Payload):
                     answer = answer.load()

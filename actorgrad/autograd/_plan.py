@@ -91,15 +91,21 @@ def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
     return edge.node, edge.output_nr
 
 
+class TooBig(Exception):
+    """The graph has more nodes than the caller wanted to plan on its own thread."""
+
+
 def make_plan(
     starts: dict[Hashable, Sequence[torch.Tensor]],
     recv_of_leaf: dict[int, tuple[int, int]],
     hooked: dict[Any, Any],
+    max_nodes: int | None = None,
 ) -> Plan:
     """Plan the jobs for ``starts`` (key -> tensors receiving the start's gradients).
 
     ``hooked`` maps nodes that already carry the suppression pre-hook to its handle; new
-    stop nodes get the hook and are added.
+    stop nodes get the hook and are added. Raises TooBig, before changing anything, when
+    the graph has more than ``max_nodes`` nodes.
     """
     # 1. the reached subgraph and the in-degree of every node in it
     indegree: dict[Any, int] = {}
@@ -120,6 +126,8 @@ def make_plan(
                 indegree[child] = 0
                 stack.append(child)
             indegree[child] += 1
+        if max_nodes is not None and len(indegree) > max_nodes:
+            raise TooBig
     total_indegree = dict(indegree)
     # 2. topological pass: which starts feed each node; several -> a stop
     regions: dict[Hashable, list[Any]] = {key: [] for key in starts}

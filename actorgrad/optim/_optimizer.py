@@ -73,7 +73,10 @@ class OptimizerActor:
 
         async def create() -> Payload:
             params = [await p.to_here() for p in msg.params]
-            optimizer = msg.optimizer_class(params, *msg.args, **msg.kwargs)
+            # off the loop: the first optimizer of a process imports torch._dynamo (~2 s)
+            optimizer = await self.worker.run_blocking(
+                lambda: msg.optimizer_class(params, *msg.args, **msg.kwargs)
+            )
             self.optimizers[msg.optimizer_id] = _LocalOptimizer(optimizer, params)
             return Payload.dump(None)
 
