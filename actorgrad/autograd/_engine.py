@@ -184,7 +184,7 @@ class EngineActor:
                         "backward job", "autograd",
                         {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
                     ), _traced_nodes(tracer, traced):
-                        return _run_backward(  # type: ignore[no-any-return]
+                        return _run_backward(
                             tuple(o for o, _ in pairs), tuple(g for _, g in pairs),
                             retain, False, tuple(inputs), True, False,
                         )

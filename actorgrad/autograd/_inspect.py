@@ -107,6 +107,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
     seen: set[Any] = set()
     stack: list[Any] = []
     for key, tensors in starts.items():
+        assert isinstance(key, tuple)
         if key[0] == "send":
             start_id = f"{me}:send{key[1]}"
             nodes[start_id] = {"worker": me, "label": f"send {_message_label(key[1])}", "kind": "send",

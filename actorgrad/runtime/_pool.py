@@ -2,7 +2,15 @@
 
 ``loop.run_in_executor`` costs two future wrappers and a ``concurrent.futures`` hop per
 call; on a 2-core machine that showed up as ~200 µs per RPC. Here a job is one queue
-put, and its result one ``call_soon_threadsafe``. Threads start on demand.
+put, and its result one ``call_soon_threadsafe``.
+
+Threads start on demand, but not merely because jobs are queued: with the GIL, extra
+threads racing through a burst of short jobs only add contention and context switches.
+So the first thread starts with the first job, and more only when jobs have waited
+``_GRACE`` seconds while no thread was free to take them and no running job finished,
+i.e. when every thread is stuck in a long or blocking function. Nested calls stay
+deadlock-free: a function blocked on a call back into this worker gets a new thread
+within ``_GRACE`` (up to ``max_threads``, as before).
 """
 
 from __future__ import annotations
@@ -11,10 +19,13 @@ import asyncio
 import contextvars
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 _STOP = object()
+_JOIN_SECONDS = 2.0  # how long close() waits for threads to finish their last job
+_GRACE = 0.002  # seconds queued jobs may wait on busy threads before another starts
 
 
 class ThreadPool:
@@ -24,52 +35,85 @@ class ThreadPool:
         self._name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0
-        self._lock = threading.Lock()
+        self._finished = 0  # jobs completed (progress marker, written by pool threads)
+        self._free: list[bool] = []  # per thread: blocked waiting for a job (or about to)
+        self._check: asyncio.TimerHandle | None = None
         self._closed = False
 
     def submit(self, fn: Callable[[], Any], ctx: contextvars.Context) -> asyncio.Future[Any]:
-        """Run ``ctx.run(fn)`` on a pool thread; the future resolves on the loop."""
+        """Run ``ctx.run(fn)`` on a pool thread; the future resolves on the loop.
+
+        Must be called on the loop's thread.
+        """
         if self._closed:
             raise RuntimeError("the worker's thread pool is shut down")
         future: asyncio.Future[Any] = self._loop.create_future()
-        with self._lock:
-            if self._idle == 0 and len(self._threads) < self._max:
-                thread = threading.Thread(
-                    target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()
-            else:
-                self._idle -= 1 if self._idle else 0
         self._jobs.put((fn, ctx, future))
+        if not self._threads:
+            self._start_thread()
+        elif self._check is None and len(self._threads) < self._max:
+            self._check = self._loop.call_later(_GRACE, self._check_backlog, self._finished)
         return future
 
-    def _run(self) -> None:
+    def _check_backlog(self, finished_before: int) -> None:
+        """Start a thread if jobs are still queued and nothing finished meanwhile."""
+        self._check = None
+        if self._closed or self._jobs.empty():
+            return
+        if self._finished == finished_before and True not in self._free:
+            # every thread is stuck in a job (a free one may merely not have run yet:
+            # GIL, busy CPU); one more thread per waiting job, up to the limit
+            for _ in range(min(self._jobs.qsize(), self._max - len(self._threads))):
+                self._start_thread()
+        if len(self._threads) < self._max:
+            self._check = self._loop.call_later(_GRACE, self._check_backlog, self._finished)
+
+    def _start_thread(self) -> None:
+        index = len(self._threads)
+        self._free.append(True)
+        thread = threading.Thread(
+            target=self._run, args=(index,), name=f"{self._name}-{index}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _run(self, index: int) -> None:
+        get = self._jobs.get
+        free = self._free
+        call_soon_threadsafe = self._loop.call_soon_threadsafe
         while True:
-            job = self._jobs.get()
+            free[index] = True  # one store: atomic under the GIL, no lock needed
+            job = get()
+            free[index] = False
             if job is _STOP:
                 return
             fn, ctx, future = job
+            deliver: Callable[[asyncio.Future[Any], Any], None]
             try:
-                result = ctx.run(fn)
+                value = ctx.run(fn)
+                deliver = _set_result
             except BaseException as exc:  # delivered to the awaiting coroutine
-                outcome = (_set_exception, future, exc)
-            else:
-                outcome = (_set_result, future, result)
-            del job, fn, ctx, future
+                value, deliver = exc, _set_exception
+            del job, fn, ctx
+            self._finished += 1  # a lost update only delays a thread start by _GRACE
             try:
-                self._loop.call_soon_threadsafe(*outcome)
+                call_soon_threadsafe(deliver, future, value)
             except RuntimeError:
                 return  # the loop is closed: nobody waits any more
-            del outcome
-            with self._lock:
-                self._idle += 1
+            del future, value
 
     def close(self) -> None:
         self._closed = True
+        if self._check is not None:
+            self._check.cancel()
+            self._check = None
         for _ in self._threads:
             self._jobs.put(_STOP)
+        # Join (bounded): a daemon thread still holding tensors when the interpreter
+        # exits can abort the process inside torch's destructors.
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

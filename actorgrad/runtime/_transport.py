@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._errors import AuthenticationError, ProtocolError
-from ..wire import Connection, Established, Heartbeat, Message
+from ..wire import Connection, Established, Heartbeat, Message, State
 
 if TYPE_CHECKING:
     from ._worker import Worker
@@ -37,6 +37,9 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.lost_reason: str | None = None
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
+        self._handshaking = True  # the Connection may queue frames of its own until done
+        # The event loop calls get_buffer for every read: hand it the Connection's.
+        self.get_buffer = self.conn.get_buffer  # type: ignore[method-assign]
 
     # -- asyncio callbacks ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -49,19 +52,37 @@ class PeerProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last_received = time.monotonic()
-        self.conn.buffer_updated(nbytes)
+        conn = self.conn
+        conn.buffer_updated(nbytes)
         try:
-            while (event := self.conn.next_event()) is not None:
-                if (out := self.conn.data_to_send()):
-                    self._write(out)
-                if isinstance(event, Established):
-                    self.worker.on_established(self, event)
-                elif not isinstance(event, Heartbeat):
-                    self.worker.on_message(self, event)
-            if (out := self.conn.data_to_send()):
-                self._write(out)
+            if self._handshaking:
+                self._handshake_events()
+                return
+            next_event = conn.next_event
+            on_message = self.worker.on_message
+            while (event := next_event()) is not None:
+                if event.__class__ is not Heartbeat:
+                    on_message(self, event)  # type: ignore[arg-type]  # no Established any more
+                elif event.ping:
+                    self.send(Heartbeat(ping=False))  # answer: we are alive
         except (ProtocolError, AuthenticationError) as exc:
             self.abort(exc)
+
+    def _handshake_events(self) -> None:
+        conn = self.conn
+        while (event := conn.next_event()) is not None:
+            if (out := conn.data_to_send()):
+                self._write(out)
+            if isinstance(event, Established):
+                self.worker.on_established(self, event)
+            elif not isinstance(event, Heartbeat):
+                self.worker.on_message(self, event)
+            elif event.ping:
+                self.send(Heartbeat(ping=False))
+        if (out := conn.data_to_send()):
+            self._write(out)
+        if conn.state is State.ESTABLISHED:
+            self._handshaking = False  # from now on the Connection queues nothing itself
 
     def eof_received(self) -> bool:
         return False
@@ -156,7 +177,7 @@ class LoopbackPeer:
         frame = self._decoder.next_frame()
         assert frame is not None
         decoded = self._decode(frame)
-        self.worker.loop.call_soon(self.worker.on_message, self, decoded)
+        self.worker.loop.call_soon(self.worker.on_message, self, decoded)  # type: ignore[arg-type]  # stands in for a PeerProtocol
 
     def abort(self, exc: BaseException | str) -> None:
         pass

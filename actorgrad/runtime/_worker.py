@@ -47,8 +47,8 @@ from ..wire import (
 from . import _current
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool
-from ._trace import Tracer, now_us
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
+from ._trace import Tracer, now_us
 from ._transport import LoopbackPeer, PeerProtocol
 
 log = logging.getLogger("actorgrad")

@@ -16,16 +16,15 @@ from typing import Any
 import torch
 
 from .._errors import CollectiveError, RemoteError, RpcTimeout, WorkerLost
-
-# What a survivor may see: the peer is gone, the call timed out, a remote call failed
-# because of it, or a collective that names the lost rank.
-EXPECTED = (WorkerLost, RpcTimeout, RemoteError, CollectiveError)
 from ..autograd import backward, context, debug_info
 from ..optim import DistributedOptimizer
 from ..rpc import remote, rpc_async
 from ..runtime import RpcOptions
 from ._group import LocalGroup, local_group
 
+# What a survivor may see: the peer is gone, the call timed out, a remote call failed
+# because of it, or a collective that names the lost rank.
+EXPECTED = (WorkerLost, RpcTimeout, RemoteError, CollectiveError)
 KILL_AFTER = 0.5
 
 
@@ -44,7 +43,7 @@ class SlowBackward(torch.autograd.Function):
 
 
 def slow_backward_op(x: torch.Tensor, seconds: float) -> torch.Tensor:
-    return SlowBackward.apply(x, seconds) * 2  # type: ignore[no-any-return]
+    return SlowBackward.apply(x, seconds) * 2
 
 
 def make_parameter() -> torch.Tensor:
@@ -115,16 +114,19 @@ async def _shutdown(group: LocalGroup) -> tuple[str, float]:
 
 
 async def _all_reduce(group: LocalGroup) -> tuple[str, float]:
-    from .. import collective  # type: ignore[attr-defined]
+    from .. import collective
 
-    async def everyone() -> None:
-        await rpc_async("worker2", _all_reduce_remote)
-    tensor = torch.ones(1 << 20)
-    return await _kill_while(group, asyncio.gather(collective.all_reduce(tensor), everyone()))
+    async def here() -> None:
+        await collective.all_reduce(torch.ones(1 << 20))
+
+    async def on_worker2() -> None:
+        _ = await rpc_async("worker2", _all_reduce_remote)  # an async function: awaited there
+
+    return await _kill_while(group, asyncio.gather(here(), on_worker2()))
 
 
 async def _all_reduce_remote() -> None:
-    from .. import collective  # type: ignore[attr-defined]
+    from .. import collective
 
     await collective.all_reduce(torch.ones(1 << 20))
 

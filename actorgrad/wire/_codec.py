@@ -22,9 +22,10 @@ descriptor through the pickle persistent-id mechanism::
   tensors travel this way: a separate buffer costs far more per tensor (allocation,
   views, one more write piece) than copying a few KiB.
 
-``Payload.tensors`` lists every tensor object met while pickling, in pickling order:
-the originals on the sending side; on the receiving side the rebuilt tensors, each a
-fresh leaf with ``requires_grad`` preserved. The autograd layer pairs the ones that
+``Payload.tensors`` lists every tensor object met while pickling, in pickling order
+(a tensor met twice is described twice and arrives as two independent tensors): the
+originals on the sending side; on the receiving side the rebuilt
+tensors, each a fresh leaf with ``requires_grad`` preserved. The autograd layer pairs the ones that
 require grad into send/recv entries.
 """
 
@@ -49,8 +50,14 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.float32, torch.float64, torch.float16, torch.bfloat16,
         torch.complex64, torch.complex128, torch.uint8, torch.int8, torch.int16,
         torch.int32, torch.int64, torch.bool,
+        *(getattr(torch, name) for name in (
+            "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+            "float8_e4m3fnuz", "float8_e5m2fnuz",
+        ) if isinstance(getattr(torch, name, None), torch.dtype)),
     )
 }  # fmt: skip
+_GRAD_DTYPES = frozenset(d for d in _DTYPES.values() if d.is_floating_point or d.is_complex)
+_MAX_ELEMENTS = 1 << 62  # beyond this torch overflows sizes and strides
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
 
@@ -67,7 +74,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     data = tensor.detach() if tensor.requires_grad else tensor
     if data.is_contiguous():
         try:  # fast path: a contiguous CPU tensor without conj/neg bit, of a numpy dtype
-            return memoryview(data.numpy()).cast("B")
+            return data.numpy().data.cast("B")
         except (RuntimeError, TypeError, ValueError):
             pass
     if data.device.type != "cpu":
@@ -76,7 +83,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if data.numel() == 0:
         return _EMPTY
     # numpy keeps a reference to the tensor, so the memory outlives the send.
-    return memoryview(data.reshape(-1).view(_uint8).numpy())
+    return data.reshape(-1).view(_uint8).numpy().data
 
 
 def _inband_bytes(tensor: torch.Tensor) -> bytes:
@@ -99,7 +106,7 @@ _BY_REFERENCE_MAX = 4096
 _by_value_seen = [-1]  # len(_BY_VALUE_MODULES) when the memo was last valid
 
 
-class _ReducerTable(dict):  # type: ignore[type-arg]
+class _ReducerTable(dict[type, Any]):
     """cloudpickle's reducers, then ``copyreg``'s (live): a ChainMap the C pickler reads
     without a Python call per lookup that hits."""
 
@@ -110,20 +117,36 @@ class _ReducerTable(dict):  # type: ignore[type-arg]
 _REDUCERS = _ReducerTable(getattr(cloudpickle.Pickler, "_dispatch_table", {}))
 
 
-class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle with tensors as persistent ids (see the module docstring).
+
+    A persistent id is looked up before pickle's memo, so a tensor met twice is
+    described twice and arrives as two independent tensors.
+    """
+
     if getattr(cloudpickle.Pickler, "_dispatch_table", None) is not None:
         dispatch_table = _REDUCERS
 
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], buffers: list[memoryview]) -> None:
-        super().__init__(file, protocol=5)
-        self._tensors = tensors
-        self._buffers = buffers
+    def __init__(self) -> None:
+        self.file = io.BytesIO()
+        super().__init__(self.file, protocol=5)
+        self.tensors: list[torch.Tensor] = []
+        self.buffers: list[memoryview] = []
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
-        if cls is _Tensor or cls is _Parameter:
-            return _describe(obj, cls, self._tensors, self._buffers)
-        return None
+        if cls is not _Tensor and cls is not _Parameter:
+            return None
+        name = _DTYPE_NAMES.get(obj.dtype)
+        if name is None or obj.layout is not _strided or obj.is_quantized:
+            return None  # torch's own (in-band) pickling handles the exotic ones
+        self.tensors.append(obj)
+        if obj.nbytes <= INBAND_MAX_BYTES:
+            where: int | bytes = _inband_bytes(obj)
+        else:
+            where = len(self.buffers)
+            self.buffers.append(_tensor_bytes(obj))
+        return (where, name, tuple(obj.shape), obj.requires_grad, cls is _Parameter)
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -141,29 +164,26 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             return super().reducer_override(obj)
         return NotImplemented  # what cloudpickle does for everything else
 
+    def reset(self) -> None:
+        """Ready for the next ``dump`` (same file, empty memo)."""
+        self.file.seek(0)
+        self.file.truncate()
+        self.clear_memo()
+        self.globals_ref: dict[int, Any] = {}
+        self.tensors = []
+        self.buffers = []
 
-def _describe(obj: torch.Tensor, cls: type, tensors: list[torch.Tensor], buffers: list[memoryview]) -> Any:
-    """The persistent id of tensor ``obj`` (None: torch pickles it in-band itself)."""
-    name = _DTYPE_NAMES.get(obj.dtype)
-    if name is None or obj.layout is not _strided or obj.is_quantized:
-        return None  # torch's own (in-band) pickling handles the exotic ones
-    tensors.append(obj)
-    if obj.nbytes <= INBAND_MAX_BYTES:
-        where: int | bytes = _inband_bytes(obj)
-    else:
-        where = len(buffers)
-        buffers.append(_tensor_bytes(obj))
-    return (where, name, tuple(obj.shape), obj.requires_grad, cls is _Parameter)
+
+_free_picklers: list[_Pickler] = []  # reused: building a pickler costs more than a dump
+_FREE_PICKLERS_MAX = 4
 
 
 # -- unpickling --------------------------------------------------------------------
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, buffers: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self._buffers = buffers
-        self.tensors: list[torch.Tensor] = []
+    raw: list[torch.Tensor]  # the received buffers, as uint8 tensors
+    tensors: list[torch.Tensor]  # the rebuilt tensors, in order
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> torch.Tensor:
         try:
             where, dtype_name, shape, requires_grad, is_param = pid
             dtype = _DTYPES[dtype_name]
@@ -172,12 +192,18 @@ class _Unpickler(pickle.Unpickler):
         if type(shape) is not tuple:
             raise ProtocolError(f"malformed tensor descriptor {pid!r}")
         numel = 1
+        span = 1  # product of max(s, 1): bounds the strides torch will compute
         for s in shape:
             if type(s) is not int:
                 raise ProtocolError(f"malformed tensor descriptor {pid!r}")
             if s < 0:
                 raise ProtocolError(f"negative tensor dimension in {shape}")
             numel *= s
+            span *= max(s, 1)
+            if span > _MAX_ELEMENTS:
+                raise ProtocolError(f"tensor shape {shape} is too large")
+        if requires_grad and dtype not in _GRAD_DTYPES:
+            raise ProtocolError(f"a {dtype_name} tensor cannot require grad (descriptor {pid!r})")
         nbytes = numel * _ITEMSIZE[dtype]
         if type(where) is bytes:
             if nbytes != len(where):
@@ -187,15 +213,16 @@ class _Unpickler(pickle.Unpickler):
                 )
             flat = torch.frombuffer(bytearray(where), dtype=dtype) if numel else None
         elif type(where) is int:
-            if not 0 <= where < len(self._buffers):
+            raw = self.raw
+            if not 0 <= where < len(raw):
                 raise ProtocolError(f"malformed tensor descriptor {pid!r}: no buffer {where}")
-            raw = self._buffers[where]
-            if nbytes != raw.numel():
+            buffer = raw[where]
+            if nbytes != buffer.numel():
                 raise ProtocolError(
                     f"tensor of shape {shape} and dtype {dtype_name} needs {nbytes} "
-                    f"bytes, the frame carries {raw.numel()}"
+                    f"bytes, the frame carries {buffer.numel()}"
                 )
-            flat = raw.view(dtype) if numel else None
+            flat = buffer.view(dtype) if numel else None
         else:
             raise ProtocolError(f"malformed tensor descriptor {pid!r}")
         if flat is None:
@@ -235,18 +262,24 @@ class Payload:
     @classmethod
     def dump(cls, obj: Any) -> Payload:
         """Pickle ``obj``; tensors become descriptors (plus zero-copy byte views)."""
-        tensors: list[torch.Tensor] = []
-        buffers: list[memoryview] = []
-        file = io.BytesIO()
-        _Pickler(file, tensors, buffers).dump(obj)
-        payload = cls(file.getvalue())
-        payload.tensors = tensors
-        payload.buffers = buffers
+        try:
+            pickler = _free_picklers.pop()
+        except IndexError:
+            pickler = _Pickler()
+        pickler.dump(obj)  # on failure the pickler is dropped, not reused
+        payload = cls(pickler.file.getvalue())
+        payload.tensors = pickler.tensors
+        payload.buffers = pickler.buffers
+        pickler.reset()
+        if len(_free_picklers) < _FREE_PICKLERS_MAX:
+            _free_picklers.append(pickler)
         return payload
 
     def load(self) -> Any:
         """Rebuild the object. Raises whatever unpickling raises (the caller reports it)."""
-        unpickler = _Unpickler(io.BytesIO(self.body), self.raw)
+        unpickler = _Unpickler(io.BytesIO(self.body))
+        unpickler.raw = self.raw
+        unpickler.tensors = []
         obj = unpickler.load()
         self.tensors = unpickler.tensors
         return obj

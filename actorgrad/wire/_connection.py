@@ -189,6 +189,7 @@ class Connection:
             max_buffers=max_buffers,
             known_kinds=frozenset(int(k) for k in Kind),
         )
+        self._decoder.restricted_kinds = frozenset({Kind.HELLO, Kind.AUTH, Kind.GOODBYE})
         self._outbox: list[bytes | bytearray | memoryview] = _encode(
             Hello(name=name, rank=rank, nonce=self._nonce)
         )
@@ -270,6 +271,7 @@ class Connection:
                     "proof taken from another connection)"
                 )
             self.state = State.ESTABLISHED
+            self._decoder.lift_restriction()
             assert self.peer_rank is not None
             return Established(self.peer_name, self.peer_rank)
         if isinstance(msg, Goodbye):

@@ -14,14 +14,17 @@
 # Theory of operation
 The decoder is fed either by ``receive_data(bytes)`` (tests, fuzzers) or, zero-copy, by
 ``get_buffer()`` / ``buffer_updated(n)`` in the manner of ``asyncio.BufferedProtocol``.
-Small frames are parsed out of a reusable staging area. A large out-of-band buffer is
-allocated as a uint8 tensor when its frame header arrives, and once the staging area is
-drained ``get_buffer`` hands out that tensor's memory itself, so the kernel copies the
-bytes straight into the tensor that the receiver will use.
+Small frames are parsed out of a reusable staging area; a buffer-less frame that is
+wholly staged is sliced out in one step (the common small call/reply). A large
+out-of-band buffer is allocated as a uint8 tensor when its frame header arrives (from
+huge pages above 2 MiB, see ``allocate_buffer``), and once the staging area is drained
+``get_buffer`` hands out that tensor's memory itself, so the kernel copies the bytes
+straight into the tensor that the receiver will use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from collections import deque
@@ -35,6 +38,8 @@ MAGIC = b"AGRD"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<4sBBHQQI")
 LENGTH = struct.Struct("<Q")
+RESTRICTED_MAX_BODY = 4096
+RESTRICTED_MAX_SPILL = 64 << 20
 _HEADER_SIZE = HEADER.size
 _HEADER_PACK = HEADER.pack
 _HEADER_UNPACK = HEADER.unpack_from
@@ -66,10 +71,8 @@ def allocate_buffer(nbytes: int) -> torch.Tensor:
         except (OSError, ValueError):
             return torch.empty(nbytes, dtype=torch.uint8)
         if _MADV_HUGEPAGE is not None:
-            try:
+            with contextlib.suppress(OSError):  # THP off or unsupported: plain pages
                 region.madvise(_MADV_HUGEPAGE)
-            except OSError:
-                pass
         tensor = torch.frombuffer(region, dtype=torch.uint8)
         return tensor[:nbytes] if length != nbytes else tensor
     return torch.empty(nbytes, dtype=torch.uint8)
@@ -126,6 +129,11 @@ class FrameDecoder:
         self._start = 0  # first unconsumed byte in staging
         self._end = 0  # end of received bytes in staging
         self._frames: deque[Frame] = deque()
+        # Before the handshake completes only these kinds are accepted, small and without
+        # buffers, one frame at a time: an unauthenticated peer cannot make us allocate.
+        self.restricted_kinds: frozenset[int] | None = None
+        self._spill = bytearray()  # bytes beyond the staging area while restricted
+        self._spilling: memoryview | None = None
         # the frame being assembled (the slow path: frames larger than what is staged)
         self._header: tuple[int, int] | None = None  # kind, request id
         self._body = bytearray()
@@ -154,11 +162,23 @@ class FrameDecoder:
             pending = self._end - self._start
             self._staging[:pending] = self._staging[self._start : self._end]
             self._start, self._end = 0, pending
+        if self._spill or (self.restricted_kinds is not None and self._end == len(self._staging)):
+            # waiting for the handshake with a full staging area: park the bytes
+            self._spilling = memoryview(bytearray(1 << 16))
+            return self._spilling
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` were written into the memory returned by the last ``get_buffer``."""
         if self._error is not None:
+            return
+        if self._spilling is not None:
+            self._spill += self._spilling[:nbytes]
+            self._spilling = None
+            if len(self._spill) > RESTRICTED_MAX_SPILL:
+                self._error = ProtocolError(
+                    f"peer sent over {RESTRICTED_MAX_SPILL} bytes before the handshake completed"
+                )
             return
         try:
             if self._direct:
@@ -183,11 +203,27 @@ class FrameDecoder:
 
     def next_frame(self) -> Frame | None:
         """The next complete frame, or None when more data is needed."""
+        if not self._frames and self.restricted_kinds is not None and self._error is None:
+            self._parse_safely()  # restricted mode parses one frame per request
         if self._frames:
             return self._frames.popleft()
         if self._error is not None:
             raise self._error
         return None
+
+    def lift_restriction(self) -> None:
+        """The handshake completed: accept every kind and size again."""
+        self.restricted_kinds = None
+        self._parse_safely()
+        if self._spill:
+            spill, self._spill = self._spill, bytearray()
+            self.receive_data(spill)
+
+    def _parse_safely(self) -> None:
+        try:
+            self._parse()
+        except ProtocolError as exc:
+            self._error = exc
 
     @property
     def buffered_bytes(self) -> int:
@@ -203,6 +239,8 @@ class FrameDecoder:
     def _parse(self) -> None:
         staging = self._staging
         while True:
+            if self.restricted_kinds is not None and self._frames:
+                return  # the handshake decides what comes next
             start, end = self._start, self._end
             if self._header is None:
                 if end - start < _HEADER_SIZE:
@@ -237,6 +275,15 @@ class FrameDecoder:
             )
         if self.known_kinds and kind not in self.known_kinds:
             raise ProtocolError(f"unknown message kind {kind}")
+        restricted = self.restricted_kinds
+        if restricted is not None:
+            if kind not in restricted:
+                raise ProtocolError(f"message kind {kind} before the handshake completed")
+            if body_len > RESTRICTED_MAX_BODY or nbuf:
+                raise ProtocolError(
+                    f"handshake frame of {body_len} bytes with {nbuf} buffers refused before "
+                    f"authentication (limit {RESTRICTED_MAX_BODY} bytes, no buffers)"
+                )
         if flags:
             raise ProtocolError(f"unsupported frame flags {flags:#x}")
         if nbuf > self.max_buffers:
@@ -262,7 +309,7 @@ class FrameDecoder:
         self._body = bytearray(body_len)
         self._buffers = [allocate_buffer(n) for n in lengths]
         self._targets = [memoryview(self._body)]
-        self._targets += [memoryview(b.numpy()) for b in self._buffers]
+        self._targets += [b.numpy().data for b in self._buffers]
         self._part, self._filled = 0, 0
         self._advance_part()
         return True

@@ -321,11 +321,6 @@ async def test_sparse_tensor_round_trip(group2):
     assert torch.equal(y.to_dense(), x.to_dense())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: wire/_codec.py _DTYPES lacks uint16/uint32/uint64/float8_*; the in-band "
-    "fallback (torch's own pickling) cannot rebuild them",
-)
 @pytest.mark.parametrize("dtype", ["uint16", "float8_e4m3fn"])
 async def test_less_common_dtype_round_trip(group2, dtype):
     x = torch.tensor([1.0, 2.0, 3.0]).to(getattr(torch, dtype))

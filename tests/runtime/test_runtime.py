@@ -479,12 +479,6 @@ async def test_slowloris_does_not_delay_rpcs_and_is_dropped(make_group):
     await assert_still_serves(group)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: wire/_frames.py FrameDecoder._parse_header allocates the announced body "
-    "(up to max_frame_size) before the handshake; a pre-handshake HELLO/AUTH header "
-    "claiming more than the control-frame limit should be refused at once",
-)
 async def test_oversized_frame_before_handshake_is_refused_at_once(make_group):
     group = await make_group(2, ag.RpcOptions(init_timeout=3.0))
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(Kind.HELLO), 0, 0, 64 << 20, 0)

@@ -56,12 +56,17 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.
     g = torch.Generator().manual_seed(seed)
     if dtype is torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point and dtype.itemsize == 1:  # float8: no sampling kernels
+        return (torch.randn(shape, generator=g) * 4).to(dtype)
     if dtype.is_floating_point or dtype.is_complex:
         t = torch.randn(shape, generator=g, dtype=dtype)
         if t.numel() >= 4 and dtype.is_floating_point:
             flat = t.view(-1)
             flat[:4] = torch.tensor([math.nan, math.inf, -math.inf, -0.0], dtype=dtype)
         return t
+    if dtype in (torch.uint32, torch.uint64):  # randint cannot span them: draw the bytes
+        raw = torch.randint(0, 256, (*shape, dtype.itemsize), generator=g, dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape)
     info = torch.iinfo(dtype)
     return torch.randint(info.min, info.max, shape, generator=g, dtype=dtype)
 
