@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from . import autograd as autograd
+from . import collective as collective
 from . import optim as optim
+from . import parallel as parallel
 from . import rpc as _rpc
 from ._api import export_trace as export_trace
 from ._api import get_rank as get_rank
@@ -68,9 +70,11 @@ __all__ = (
     "WorkerInfo",
     "WorkerLost",
     "autograd",
+    "collective",
     "dist_backward",
     "export_trace",
     "optim",
+    "parallel",
     "get_rank",
     "get_world_size",
     "get_worker_info",

@@ -1,0 +1,575 @@
+"""CollectiveActor: groups, the mailbox of collective messages, point-to-point.
+
+One per worker (``worker.extensions["collective"]``). Every message handler runs on the
+loop as the message arrives; operations are the state machines of ``_ops``.
+
+# Mailbox
+Collective messages are keyed by ``(group id, sequence number)``. A message for an
+operation that is running here goes straight to it; one for an operation this rank has
+not entered yet is kept in ``_early`` until it does; one for an operation that already
+ended here (it failed) is dropped.
+
+Point-to-point messages are keyed by ``(group id, tag)`` and matched in arrival order
+against posted receives (a receive from a given source takes the first message of
+that source; a receive from any source takes the first message). Large sends complete
+when the receiver acknowledges them, so the sender may reuse its tensor afterwards.
+
+# Failures
+A lost peer fails every running operation whose group contains it, every receive
+that waits on it (or on any source of a group containing it) and every send waiting for
+its acknowledgement; later operations on such a group fail at once. Every wait has a
+deadline (``RpcOptions.rpc_timeout`` unless ``init_process_group(timeout=...)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._errors import CollectiveError
+from ..runtime import Worker, get_worker
+from ..wire import Payload
+from . import _cma, _ops
+from ._ops import (
+    Barrier,
+    ChainBroadcast,
+    DirectBroadcast,
+    DirectReduce,
+    Gather,
+    Op,
+    RingReduce,
+    Scatter,
+    TinyAllReduce,
+    byte_view,
+    send_tiny,
+    sig_bytes,
+    sig_of,
+)
+from ._types import Group, ReduceOp
+
+log = logging.getLogger("actorgrad.collective")
+
+P2P_TARGET = "collective.p2p"
+CMA_PROBE_TARGET = "collective.cma_probe"
+CMA_REPLY_TARGET = "collective.cma_reply"
+P2P_ACK_TARGET = "collective.p2p_ack"
+
+RING_MIN_BYTES = 256 << 10  # all_reduce / reduce of at least this size use the ring
+CHAIN_MIN_BYTES = 1 << 20  # broadcasts of at least this size use the chain
+CHUNK_BYTES = 1 << 20  # pipeline granule of the ring and the chain
+SPIN_US = 500  # see CollectiveActor.spin_s; only when the group fits the machine's CPUs
+_CPUS = os.cpu_count() or 1
+
+
+class _Recv:
+    __slots__ = ("future", "gid", "src", "t", "tag", "timer")
+
+    def __init__(self, future: asyncio.Future[int], gid: int, tag: int, src: int | None,
+                 t: torch.Tensor) -> None:
+        self.future = future
+        self.gid = gid
+        self.tag = tag
+        self.src = src
+        self.t = t
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class CollectiveActor:
+    """This worker's groups, running collectives and point-to-point traffic."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.loop = worker.loop
+        self.default_backend = "actorgrad"
+        self.world = Group(0, tuple(range(worker.world_size)), "actorgrad")
+        self.groups: dict[int, Group] = {0: self.world}
+        self.timeout: float | None = None  # None: worker.options.rpc_timeout
+        self.ring_min_bytes = RING_MIN_BYTES
+        self.chain_min_bytes = CHAIN_MIN_BYTES
+        self.chunk_bytes = CHUNK_BYTES
+        self.tiny_max_bytes = _ops.INLINE_MAX_BYTES  # all-reduces this small take TinyAllReduce
+        # a tiny all-reduce keeps the loop polling this long before it lets the process
+        # sleep: waking a sleeping process costs more than the whole exchange on a VM
+        self.spin_s = float(os.environ.get("ACTORGRAD_COLLECTIVE_SPIN_US", SPIN_US)) * 1e-6
+        self.torch: Any = None  # the torch.distributed backend, once initialized
+        self._next_gid = 1
+        self._seq: dict[int, int] = {}
+        self._ops: dict[tuple[int, int], Op] = {}
+        self._early: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+        self._p2p_queue: dict[tuple[int, int], deque[tuple[Any, ...]]] = {}
+        self._p2p_wait: dict[tuple[int, int], list[_Recv]] = {}
+        self._p2p_acks: dict[int, tuple[int, asyncio.Future[None], asyncio.TimerHandle | None]] = {}
+        self._ack_ids = itertools.count(1)
+        self._lost: dict[int, str] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sigs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.closed = False
+        self.use_cma = _cma.available()
+        self._cma: dict[int, bool | None] = {}  # peer -> can it read our memory (None: probing)
+        self._peer_pid: dict[int, int] = {}  # peers whose memory we can read
+        self._token = _cma.Token() if self.use_cma else None
+        worker.register(CMA_PROBE_TARGET, self._on_cma_probe)
+        worker.register(CMA_REPLY_TARGET, self._on_cma_reply)
+        worker.register(_ops.MSG_TARGET, self._on_msg)
+        worker.register(P2P_TARGET, self._on_p2p)
+        worker.register(P2P_ACK_TARGET, self._on_p2p_ack)
+        worker.add_lost_listener(self._on_lost)
+
+    # -- groups ---------------------------------------------------------------------
+    def new_group(self, ranks: tuple[int, ...], backend: str) -> Group:
+        gid = self._next_gid
+        self._next_gid += 1
+        group = Group(gid, ranks, backend)
+        self.groups[gid] = group
+        return group
+
+    def deadline(self) -> float:
+        return self.worker.options.rpc_timeout if self.timeout is None else self.timeout
+
+    # -- running operations -----------------------------------------------------------
+    def next_seq(self, group: Group) -> int:
+        seq = self._seq.get(group.id, 0)
+        self._seq[group.id] = seq + 1
+        return seq
+
+    def run(self, op: Op) -> asyncio.Future[Any]:
+        """Register ``op``, arm its deadline, send its first messages, feed it the
+        messages that arrived before this rank entered it."""
+        key = (op.gid, op.seq)
+        self._ops[key] = op
+        gone = [r for r in op.members if r in self._lost] if self._lost else None
+        early = self._early.pop(key, None) if self._early else None
+        if self.closed:
+            op.fail(CollectiveError(f"{op.what()}: {self.worker.name} is shut down"))
+        elif gone:
+            op.fail(CollectiveError(
+                f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
+            ))
+        else:
+            limit = self.deadline()
+            if limit > 0:
+                op.deadline = self.loop.time() + limit
+                if self._sweeper is None:
+                    self._sweeper = self.loop.call_later(min(1.0, limit / 4), self._sweep)
+            try:
+                op.start()
+                if early:
+                    for message in early:
+                        if op.done:
+                            break
+                        op.receive(*message)
+                op.check()
+            except Exception as exc:
+                op.fail(CollectiveError(f"{op.what()}: {exc}"), exc)
+        return op.future
+
+    def _spin(self, op: Op, until: float) -> None:
+        """Keep the loop polling (a ready callback makes it poll without sleeping) while a
+        tiny all-reduce waits, for at most ``spin_s``: MPI-style busy polling."""
+        if not op.done and self.loop.time() < until:
+            os.sched_yield()  # a peer sharing this CPU gets to run (and answer) first
+            self.loop.call_soon(self._spin, op, until)
+
+    def forget(self, op: Op) -> None:
+        self._ops.pop((op.gid, op.seq), None)
+
+    def _sweep(self) -> None:
+        """Fail the operations past their deadline (one timer for all of them)."""
+        self._sweeper = None
+        now = self.loop.time()
+        for op in list(self._ops.values()):
+            if op.deadline is not None and now >= op.deadline:
+                op.fail(CollectiveError(
+                    f"{op.what()} timed out after {self.deadline()}s on rank {self.worker.rank} "
+                    f"waiting for {op.waiting_for()} (did every member of the group call it?)"
+                ))
+        if self._ops and not self.closed:
+            limit = self.deadline() or 1.0
+            self._sweeper = self.loop.call_later(min(1.0, max(0.02, limit / 4)), self._sweep)
+
+    def _on_msg(self, peer: Any, payload: Payload) -> None:
+        gid, seq, kind, a, b, sig, ack, ref = pickle.loads(payload.body)
+        if ref is None:
+            data: Any = payload.raw[0] if payload.raw else None
+        elif type(ref) is bytes:
+            data = ref  # small data travels inside the header
+        else:
+            data = self._remote(peer.rank, ref)
+        op = self._ops.get((gid, seq))
+        if op is not None:
+            op.receive(peer.rank, kind, a, b, sig, ack, data)
+        elif seq >= self._seq.get(gid, 0):
+            self._early.setdefault((gid, seq), []).append((peer.rank, kind, a, b, sig, ack, data))
+        # else: a straggler of an operation that already ended here
+
+    # -- cross-memory attach ---------------------------------------------------------
+    def cma_ok(self, rank: int) -> bool:
+        """Whether ``rank`` reads our large data from our memory; starts the probe the
+        first time it is asked (until the answer arrives, data goes over the wire)."""
+        state = self._cma.get(rank, False if not self.use_cma else ...)
+        if state is ...:
+            self._cma[rank] = None
+            assert self._token is not None
+            body = (os.getpid(), self._token.addr, self._token.value)
+            try:
+                self.worker.tell(rank, CMA_PROBE_TARGET, Payload(pickle.dumps(body, protocol=5)))
+            except Exception:
+                self._cma[rank] = False
+            return False
+        return bool(state)
+
+    def _on_cma_probe(self, peer: Any, payload: Payload) -> None:
+        pid, addr, value = pickle.loads(payload.body)
+        ok = self.use_cma and _cma.probe(pid, addr, value)
+        if ok:
+            self._peer_pid[peer.rank] = pid
+        self.worker.tell(peer.rank, CMA_REPLY_TARGET, Payload(pickle.dumps(ok, protocol=5)))
+
+    def _on_cma_reply(self, peer: Any, payload: Payload) -> None:
+        self._cma[peer.rank] = bool(pickle.loads(payload.body))
+
+    def _remote(self, rank: int, ref: tuple[int, int]) -> _cma.RemoteRef:
+        pid = self._peer_pid.get(rank)
+        if pid is None:
+            raise CollectiveError(f"rank {rank} sent a memory reference without a CMA probe")
+        return _cma.RemoteRef(pid, ref[0], ref[1])
+
+    # -- collectives (arguments validated by the API layer) ---------------------------
+    def all_reduce(self, group: Group, t: torch.Tensor, op: ReduceOp) -> asyncio.Future[Any]:
+        return self._reduce(group, t, op, None)
+
+    def reduce(self, group: Group, t: torch.Tensor, dst: int, op: ReduceOp) -> asyncio.Future[Any]:
+        return self._reduce(group, t, op, dst)
+
+    def _reduce(self, group: Group, t: torch.Tensor, op: ReduceOp, root: int | None) -> asyncio.Future[Any]:
+        seq = self.next_seq(group)
+        key = (t.shape, t.dtype, op, root)
+        sig = self._sigs.get(key)
+        if sig is None:
+            name = "all_reduce" if root is None else "reduce"
+            params: dict[str, Any] = {"op": op.name}
+            if root is not None:
+                params["dst"] = root
+            sig = sig_of(name, t, **params)
+            if len(self._sigs) < 1024:
+                self._sigs[key] = sig
+        nbytes = t.numel() * t.element_size()
+        if (root is None and nbytes <= self.tiny_max_bytes and t.is_cpu and t.dtype in _ops._NP
+                and t.is_contiguous()):
+            flat = (t.detach() if t.requires_grad else t).view(-1)
+            error = None
+            if not self._lost and not self.closed:  # else run() reports it
+                error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat)
+            o: Op = TinyAllReduce(self, group, seq, sig, flat, op)
+            o.sent = True  # type: ignore[attr-defined]
+            if error is not None:
+                o.fail(CollectiveError(f"{o.what()}: cannot send: {error}"), error)
+                return o.future
+            fut = self.run(o)
+            if self.spin_s > 0 and not fut.done() and group.size() <= _CPUS:
+                self.loop.call_soon(self._spin, o, self.loop.time() + self.spin_s)
+            return fut
+        work, writeback = _staged(t, copy=root is not None and root != self.worker.rank)
+        if nbytes >= self.ring_min_bytes and t.numel() >= group.size() and group.size() > 1:
+            flat = work.view(-1)
+            o = RingReduce(self, group, seq, sig, flat, op, root, self.chunk_bytes)
+        else:
+            o = DirectReduce(self, group, seq, sig, work, op, root)
+        if root is not None and root != self.worker.rank:
+            writeback = None  # non-root tensors are left as they were
+        o.after = writeback
+        return self.run(o)
+
+    def broadcast(self, group: Group, t: torch.Tensor, src: int) -> asyncio.Future[Any]:
+        seq = self.next_seq(group)
+        sig = sig_of("broadcast", t, src=src)
+        work, writeback = _staged(t)
+        if t.numel() * t.element_size() >= self.chain_min_bytes and group.size() > 1:
+            o: Op = ChainBroadcast(self, group, seq, sig, work.view(-1), src, self.chunk_bytes)
+        else:
+            o = DirectBroadcast(self, group, seq, sig, work, src)
+        o.after = writeback
+        return self.run(o)
+
+    def scatter(self, group: Group, t: torch.Tensor, parts: list[torch.Tensor] | None,
+                src: int) -> asyncio.Future[Any]:
+        seq = self.next_seq(group)
+        sig = sig_of("scatter", t, src=src)
+        work, writeback = _staged(t)
+        staged = None if parts is None else [_staged(p)[0] for p in parts]
+        o = Scatter(self, group, seq, sig, work, staged, src)
+        o.after = writeback
+        return self.run(o)
+
+    def gather(self, group: Group, t: torch.Tensor, out: list[torch.Tensor] | None,
+               dst: int | None) -> asyncio.Future[Any]:
+        seq = self.next_seq(group)
+        sig = sig_of("gather" if dst is not None else "all_gather", t,
+                     **({"dst": dst} if dst is not None else {}))
+        work, _ = _staged(t)
+        writebacks: list[Callable[[], None]] = []
+        staged_out = None
+        if out is not None:
+            staged_out = []
+            for o_t in out:
+                w, wb = _staged(o_t)
+                staged_out.append(w)
+                if wb is not None:
+                    writebacks.append(wb)
+        o = Gather(self, group, seq, sig, work, staged_out, dst)
+        if writebacks:
+            def after() -> None:
+                for wb in writebacks:
+                    wb()
+
+            o.after = after
+        return self.run(o)
+
+    def barrier(self, group: Group) -> asyncio.Future[Any]:
+        seq = self.next_seq(group)
+        sig = ("barrier", (), "", ())
+        return self.run(Barrier(self, group, seq, sig))
+
+    # -- point-to-point ---------------------------------------------------------------
+    def send(self, group: Group, t: torch.Tensor, dst: int, tag: int) -> asyncio.Future[None]:
+        """Send ``t`` to global rank ``dst``; resolves when ``t`` may be reused."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        work, _ = _staged(t)
+        nbytes = work.numel() * work.element_size()
+        ack_id = 0
+        if nbytes > _ops.COPY_FREE_BYTES:
+            ack_id = next(self._ack_ids)
+        header = (group.id, tag, tuple(work.shape), str(work.dtype).removeprefix("torch."), ack_id)
+        payload = Payload(pickle.dumps(header, protocol=5))
+        if nbytes:
+            payload.buffers = [byte_view(work)]
+        if dst in self._lost:
+            future.set_exception(CollectiveError(f"send to rank {dst}: the worker is gone ({self._lost[dst]})"))
+            return future
+        try:
+            self.worker.tell(dst, P2P_TARGET, payload)
+        except Exception as exc:
+            err = CollectiveError(f"send to rank {dst} failed: {exc}")
+            err.__cause__ = exc
+            future.set_exception(err)
+            return future
+        if not ack_id:
+            future.set_result(None)
+            return future
+        limit = self.deadline()
+        timer = self.loop.call_later(limit, self._ack_expired, ack_id, dst, limit) if limit > 0 else None
+        self._p2p_acks[ack_id] = (dst, future, timer)
+        return future
+
+    def _ack_expired(self, ack_id: int, dst: int, limit: float) -> None:
+        entry = self._p2p_acks.pop(ack_id, None)
+        if entry is not None and not entry[1].done():
+            entry[1].set_exception(CollectiveError(
+                f"send to rank {dst} timed out after {limit}s: the receiver did not post a "
+                "matching recv (same group and tag)"
+            ))
+
+    def _on_p2p_ack(self, peer: Any, payload: Payload) -> None:
+        ack_id, error = pickle.loads(payload.body)
+        entry = self._p2p_acks.pop(ack_id, None)
+        if entry is None:
+            return
+        _, future, timer = entry
+        if timer is not None:
+            timer.cancel()
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(CollectiveError(f"send to rank {peer.rank} failed on the receiver: {error}"))
+
+    def recv(self, group: Group, t: torch.Tensor, src: int | None, tag: int) -> asyncio.Future[int]:
+        """Receive into ``t`` from global rank ``src`` (None: any member); resolves with
+        the sender's global rank."""
+        future: asyncio.Future[int] = self.loop.create_future()
+        key = (group.id, tag)
+        recv = _Recv(future, group.id, tag, src, t)
+        queue = self._p2p_queue.get(key)
+        if queue:
+            for i, message in enumerate(queue):
+                if src is None or message[0] == src:
+                    del queue[i]
+                    self._deliver(recv, *message)
+                    return future
+        if src is not None and src in self._lost:
+            future.set_exception(CollectiveError(f"recv from rank {src}: the worker is gone ({self._lost[src]})"))
+            return future
+        if src is None:
+            gone = [r for r in group.ranks if r in self._lost]
+            if gone:
+                future.set_exception(CollectiveError(
+                    f"recv from any source: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
+                ))
+                return future
+        self._p2p_wait.setdefault(key, []).append(recv)
+        limit = self.deadline()
+        if limit > 0:
+            recv.timer = self.loop.call_later(limit, self._recv_expired, recv, limit)
+        return future
+
+    def _recv_expired(self, recv: _Recv, limit: float) -> None:
+        self._drop_waiter(recv)
+        if not recv.future.done():
+            who = "any source" if recv.src is None else f"rank {recv.src}"
+            recv.future.set_exception(CollectiveError(
+                f"recv from {who} (group {recv.gid}, tag {recv.tag}) timed out after {limit}s"
+            ))
+
+    def _drop_waiter(self, recv: _Recv) -> None:
+        waiters = self._p2p_wait.get((recv.gid, recv.tag))
+        if waiters and recv in waiters:
+            waiters.remove(recv)
+            if not waiters:
+                del self._p2p_wait[(recv.gid, recv.tag)]
+
+    def _on_p2p(self, peer: Any, payload: Payload) -> None:
+        gid, tag, shape, dtype, ack_id = pickle.loads(payload.body)
+        data = payload.raw[0] if payload.raw else None
+        message = (peer.rank, shape, dtype, data, ack_id)
+        key = (gid, tag)
+        waiters = self._p2p_wait.get(key)
+        if waiters:
+            for i, recv in enumerate(waiters):
+                if recv.src is None or recv.src == peer.rank:
+                    del waiters[i]
+                    if not waiters:
+                        del self._p2p_wait[key]
+                    self._deliver(recv, *message)
+                    return
+        self._p2p_queue.setdefault(key, deque()).append(message)
+
+    def _deliver(self, recv: _Recv, src: int, shape: tuple[int, ...], dtype: str,
+                 data: torch.Tensor | None, ack_id: int) -> None:
+        if recv.timer is not None:
+            recv.timer.cancel()
+        t = recv.t
+        mine = str(t.dtype).removeprefix("torch.")
+        numel = 1
+        for s in shape:
+            numel *= s
+        error = None
+        if dtype != mine or numel != t.numel():
+            error = (
+                f"rank {src} sent a tensor of shape {tuple(shape)} and dtype {dtype} but rank "
+                f"{self.worker.rank} posted a recv of shape {tuple(t.shape)} and dtype {mine}"
+            )
+        if error is None:
+            try:
+                if numel:
+                    assert data is not None
+                    t.detach().copy_(data.view(t.dtype).view(t.shape))
+            except Exception as exc:
+                error = f"cannot receive into the tensor: {exc}"
+        if ack_id:
+            try:
+                self.worker.tell(src, P2P_ACK_TARGET, Payload(pickle.dumps((ack_id, error), protocol=5)))
+            except Exception:
+                log.debug("cannot acknowledge a send from rank %s", src, exc_info=True)
+        if recv.future.done():
+            return
+        if error is None:
+            recv.future.set_result(src)
+        else:
+            recv.future.set_exception(CollectiveError(f"recv (tag {recv.tag}): {error}"))
+
+    # -- failures -------------------------------------------------------------------
+    def _on_lost(self, name: str, rank: int, reason: str) -> None:
+        self._lost[rank] = f"{name}: {reason}"
+        for op in list(self._ops.values()):
+            if rank in op.members:
+                op.fail(CollectiveError(
+                    f"{op.what()}: rank {rank} ({name}) was lost: {reason}"
+                ))
+        for key, waiters in list(self._p2p_wait.items()):
+            for recv in list(waiters):
+                group = self.groups.get(recv.gid)
+                if recv.src == rank or (recv.src is None and (group is None or rank in group.ranks)):
+                    self._drop_waiter(recv)
+                    if recv.timer is not None:
+                        recv.timer.cancel()
+                    if not recv.future.done():
+                        who = "any source" if recv.src is None else f"rank {recv.src}"
+                        recv.future.set_exception(CollectiveError(
+                            f"recv from {who} (tag {key[1]}): rank {rank} ({name}) was lost: {reason}"
+                        ))
+        for ack_id, (dst, future, timer) in list(self._p2p_acks.items()):
+            if dst == rank:
+                del self._p2p_acks[ack_id]
+                if timer is not None:
+                    timer.cancel()
+                if not future.done():
+                    future.set_exception(CollectiveError(
+                        f"send to rank {rank} ({name}): the worker was lost before receiving: {reason}"
+                    ))
+
+    def close(self) -> None:
+        """Fail everything still waiting (the worker shuts down)."""
+        self.closed = True
+        for op in list(self._ops.values()):
+            op.fail(CollectiveError(f"{op.what()}: {self.worker.name} shut down"))
+        for waiters in list(self._p2p_wait.values()):
+            for recv in waiters:
+                if recv.timer is not None:
+                    recv.timer.cancel()
+                if not recv.future.done():
+                    recv.future.set_exception(CollectiveError(f"recv: {self.worker.name} shut down"))
+        self._p2p_wait.clear()
+        for _, future, timer in self._p2p_acks.values():
+            if timer is not None:
+                timer.cancel()
+            if not future.done():
+                future.set_exception(CollectiveError(f"send: {self.worker.name} shut down"))
+        self._p2p_acks.clear()
+        self._early.clear()
+        self._p2p_queue.clear()
+        if self.torch is not None:
+            self.torch.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+
+def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous CPU tensor to work on, and the write-back into ``t`` if it is a copy."""
+    d = t.detach()
+    if not copy and d.is_cpu and d.is_contiguous():
+        return d, None
+    work = d.to("cpu", copy=True).contiguous()
+
+    def writeback() -> None:
+        d.copy_(work)
+
+    return work, writeback
+
+
+def setup(worker: Worker) -> None:
+    """Plug a CollectiveActor into a new worker (``actorgrad._api.worker_setup``)."""
+    if "collective" not in worker.extensions:
+        worker.extensions["collective"] = CollectiveActor(worker)
+
+
+def actor(worker: Worker | None = None) -> CollectiveActor:
+    """The CollectiveActor of ``worker`` (default: the current worker)."""
+    worker = worker or get_worker()
+    ext = worker.extensions.get("collective")
+    if ext is None:
+        setup(worker)
+        ext = worker.extensions["collective"]
+    assert isinstance(ext, CollectiveActor)
+    return ext
+
+
+__all__ = ["CollectiveActor", "actor", "setup"]

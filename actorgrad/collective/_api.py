@@ -1,0 +1,530 @@
+"""The public collective API: torch.distributed's names and arguments, as coroutines.
+
+Arguments are validated here, the same way for every backend, then the call goes to
+the group's backend: our own (``"actorgrad"``, the default) or a torch.distributed
+process group (``"gloo"``, ``"nccl"``) after :func:`init_process_group`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Any
+
+import cloudpickle
+import torch
+
+from .._errors import CollectiveError
+from ..runtime import get_worker
+from ._actor import CollectiveActor, actor
+from ._types import Group, ReduceOp, Work
+
+BACKENDS = ("actorgrad", "gloo", "nccl")
+
+
+# ---------------------------------------------------------------------------------------
+# groups and backends
+# ---------------------------------------------------------------------------------------
+async def init_process_group(backend: str = "actorgrad", timeout: float | None = None) -> None:
+    """Choose the default backend of this worker's collectives (call on every worker).
+
+    The actorgrad group (``init_rpc``) already is the process group: with the default
+    ``backend="actorgrad"`` nothing needs to be called at all. ``"gloo"`` (or ``"nccl"``
+    for CUDA tensors) creates a torch.distributed process group from the same
+    rendezvous and runs every collective of ``group=None`` (and of later
+    :func:`new_group` calls) on it.
+
+    Args:
+        backend: ``"actorgrad"``, ``"gloo"`` or ``"nccl"``.
+        timeout: seconds any collective may wait (default ``RpcOptions.rpc_timeout``).
+
+    Raises:
+        ValueError: unknown backend, or a different torch backend is already running.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    act = actor()
+    if timeout is not None:
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        act.timeout = float(timeout)
+    world_ranks = act.world.ranks
+    if backend == "actorgrad":
+        act.default_backend = backend
+        act.world = act.groups[0] = Group(0, world_ranks, backend)
+        return
+    if act.torch is not None:
+        if act.torch.name != backend:
+            raise ValueError(
+                f"the {act.torch.name} backend is already initialized; call "
+                "destroy_process_group() first"
+            )
+    else:
+        from ._torch import create_backend
+
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, which is not available here")
+        act.torch = await create_backend(act.worker, backend, act.deadline(), act.world)
+    act.default_backend = backend
+    act.world = act.groups[0] = Group(0, world_ranks, backend)
+    act.torch.create_pg(act.world)
+    await act.torch.pgs[0]
+
+
+def destroy_process_group() -> None:
+    """Drop the torch.distributed backend; collectives use actorgrad's own again."""
+    act = actor()
+    if act.torch is not None:
+        act.torch.close()
+        act.torch = None
+    act.default_backend = "actorgrad"
+    act.world = act.groups[0] = Group(0, act.world.ranks, "actorgrad")
+
+
+def is_initialized() -> bool:
+    """True when this code runs on a started worker (collectives can be used)."""
+    try:
+        get_worker()
+    except RuntimeError:
+        return False
+    return True
+
+
+def new_group(ranks: list[int] | tuple[int, ...] | None = None, timeout: float | None = None,
+              backend: str | None = None) -> Group:
+    """Create a group of workers (every worker must call it, in the same order).
+
+    Args:
+        ranks: global ranks of the members (default: all); the group rank of a member
+            is its position in the sorted list.
+        timeout: accepted for torch compatibility; deadlines come from
+            :func:`init_process_group`.
+        backend: default: the backend chosen by :func:`init_process_group`.
+
+    Returns:
+        The Group. On a worker that is not a member, it cannot be used: collectives on
+        it do nothing and warn, ``get_rank(group)`` is -1 (as in torch).
+    """
+    act = actor()
+    world_size = act.worker.world_size
+    if ranks is None:
+        members = tuple(range(world_size))
+    else:
+        members = tuple(sorted(_rank_arg(r, "ranks") for r in ranks))
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group: duplicate ranks in {list(ranks)}")
+        if not members:
+            raise ValueError("new_group: ranks must not be empty")
+        bad = [r for r in members if not 0 <= r < world_size]
+        if bad:
+            raise ValueError(f"new_group: rank {bad[0]} is out of range for world size {world_size}")
+    name = backend or act.default_backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name != "actorgrad" and (act.torch is None or act.torch.name != name):
+        raise ValueError(f"new_group(backend={name!r}): call init_process_group(backend={name!r}) first")
+    group = act.new_group(members, name)
+    if name != "actorgrad":
+        act.torch.create_pg(group)
+    return group
+
+
+def get_rank(group: Group | None = None) -> int:
+    """This worker's rank in ``group`` (global rank for None); -1 for a non-member."""
+    act = actor()
+    g = _group(act, group)
+    return g.ranks.index(act.worker.rank) if act.worker.rank in g.ranks else -1
+
+
+def get_world_size(group: Group | None = None) -> int:
+    """The number of members of ``group`` (all workers for None); -1 for a non-member."""
+    act = actor()
+    g = _group(act, group)
+    return len(g.ranks) if act.worker.rank in g.ranks else -1
+
+
+def get_backend(group: Group | None = None) -> str:
+    """The backend that runs ``group``'s collectives."""
+    return _group(actor(), group).backend
+
+
+def get_global_rank(group: Group, group_rank: int) -> int:
+    """The global rank of the member with rank ``group_rank`` in ``group``."""
+    g = _group(actor(), group)
+    if not 0 <= group_rank < len(g.ranks):
+        raise ValueError(f"group rank {group_rank} out of range for {g!r}")
+    return g.ranks[group_rank]
+
+
+def get_group_rank(group: Group, global_rank: int) -> int:
+    """The rank inside ``group`` of global rank ``global_rank``."""
+    return _group(actor(), group).group_rank(global_rank)
+
+
+# ---------------------------------------------------------------------------------------
+# point-to-point
+# ---------------------------------------------------------------------------------------
+async def send(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst``; returns once ``tensor`` may be reused.
+
+    Raises:
+        CollectiveError: the receiver is gone, or rejected the tensor (shape/dtype).
+    """
+    work = isend(tensor, dst, group, tag)
+    if work is not None:
+        await work.wait()
+
+
+async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
+               tag: int = 0) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (None: any member of the group).
+
+    Returns:
+        The global rank of the sender (-1 on a non-member of ``group``).
+
+    Raises:
+        CollectiveError: the message has another shape or dtype, the sender is gone, or
+            the deadline passed.
+    """
+    work = irecv(tensor, src, group, tag)
+    if work is None:
+        return -1
+    await work.wait()
+    return work.source_rank()
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int = 0) -> Work | None:
+    """Start sending ``tensor`` to ``dst``; the returned Work is awaitable.
+
+    Do not modify ``tensor`` before the Work completed.
+    """
+    act, g, impl = _prepare(group, "isend")
+    _check_tensor(tensor, "tensor")
+    _check_tag(tag)
+    if g is None:
+        return None
+    _check_peer(dst, g, act, "dst")
+    return Work(impl.send(g, tensor, dst, tag), [tensor])
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
+          tag: int = 0) -> Work | None:
+    """Start receiving into ``tensor``; the returned Work is awaitable and its
+    ``source_rank()`` names the sender. Do not read ``tensor`` before it completed."""
+    act, g, impl = _prepare(group, "irecv")
+    _check_tensor(tensor, "tensor")
+    _check_tag(tag)
+    if g is None:
+        return None
+    if src is not None:
+        _check_peer(src, g, act, "src")
+    return Work(impl.recv(g, tensor, src, tag), [tensor])
+
+
+# ---------------------------------------------------------------------------------------
+# collectives
+# ---------------------------------------------------------------------------------------
+async def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None,
+                    async_op: bool = False) -> Work | None:
+    """Copy ``tensor`` of global rank ``src`` into ``tensor`` of every member."""
+    act, g, impl = _prepare(group, "broadcast")
+    _check_tensor(tensor, "tensor")
+    if g is None:
+        return None
+    _check_member(src, g, act, "src")
+    return await _finish(impl.broadcast(g, tensor, src), async_op, [tensor])
+
+
+async def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Group | None = None,
+                     async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` over the group, in place, on every member."""
+    act, g, impl = _prepare(group, "all_reduce")
+    _check_tensor(tensor, "tensor")
+    _check_op(op, tensor)
+    if g is None:
+        return None
+    if len(g.ranks) == 1:
+        return await _finish(_done(act), async_op, [tensor])
+    return await _finish(impl.all_reduce(g, tensor, op), async_op, [tensor])
+
+
+def start_all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                     group: Group | None = None) -> asyncio.Future[Any]:
+    """Start :func:`all_reduce` now, from plain (non-async) code on the loop thread;
+    returns its future. For layers that launch collectives from callbacks (DDP)."""
+    act, g, impl = _prepare(group, "all_reduce")
+    _check_tensor(tensor, "tensor")
+    _check_op(op, tensor)
+    if g is None or len(g.ranks) == 1:
+        return _done(act)
+    fut: asyncio.Future[Any] = impl.all_reduce(g, tensor, op)
+    fut.add_done_callback(_retrieved)  # a caller that gives up early is not an error to log
+    return fut
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
+                 group: Group | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` over the group into ``tensor`` of global rank ``dst``; the
+    other ranks' tensors are left unchanged."""
+    act, g, impl = _prepare(group, "reduce")
+    _check_tensor(tensor, "tensor")
+    _check_op(op, tensor)
+    if g is None:
+        return None
+    _check_member(dst, g, act, "dst")
+    if len(g.ranks) == 1:
+        return await _finish(_done(act), async_op, [tensor])
+    return await _finish(impl.reduce(g, tensor, dst, op), async_op, [tensor])
+
+
+async def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
+                  group: Group | None = None, async_op: bool = False) -> Work | None:
+    """Global rank ``src`` sends ``scatter_list[i]`` to the member of group rank ``i``,
+    which receives it into ``tensor``."""
+    act, g, impl = _prepare(group, "scatter")
+    _check_tensor(tensor, "tensor")
+    if g is None:
+        return None
+    _check_member(src, g, act, "src")
+    parts: list[torch.Tensor] | None = None
+    if act.worker.rank == src:
+        parts = _check_list(scatter_list, g, tensor, "scatter_list", "the source rank")
+    elif scatter_list:
+        raise ValueError("scatter: scatter_list must be None (or empty) on ranks other than src")
+    return await _finish(impl.scatter(g, tensor, parts, src), async_op, [tensor])
+
+
+async def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+                 group: Group | None = None, async_op: bool = False) -> Work | None:
+    """Collect ``tensor`` of every member into ``gather_list`` on global rank ``dst``
+    (in group rank order)."""
+    act, g, impl = _prepare(group, "gather")
+    _check_tensor(tensor, "tensor")
+    if g is None:
+        return None
+    _check_member(dst, g, act, "dst")
+    out: list[torch.Tensor] | None = None
+    if act.worker.rank == dst:
+        out = _check_list(gather_list, g, tensor, "gather_list", "the destination rank")
+    elif gather_list:
+        raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
+    return await _finish(impl.gather(g, tensor, out, dst), async_op, out or [])
+
+
+async def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | None = None,
+                     async_op: bool = False) -> Work | None:
+    """Collect ``tensor`` of every member into ``tensor_list`` on every member."""
+    act, g, impl = _prepare(group, "all_gather")
+    _check_tensor(tensor, "tensor")
+    if g is None:
+        return None
+    out = _check_list(tensor_list, g, tensor, "tensor_list", "every rank")
+    return await _finish(impl.gather(g, tensor, out, None), async_op, out)
+
+
+async def barrier(group: Group | None = None, async_op: bool = False) -> Work | None:
+    """Wait until every member of the group entered the barrier."""
+    act, g, impl = _prepare(group, "barrier")
+    if g is None:
+        return None
+    if len(g.ranks) == 1:
+        return await _finish(_done(act), async_op, [])
+    return await _finish(impl.barrier(g), async_op, [])
+
+
+async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Group | None = None,
+                                _backend: str | None = None) -> None:
+    """Broadcast the picklable objects of ``object_list`` on ``src`` into
+    ``object_list`` (same length) of every member."""
+    if not isinstance(object_list, list):
+        raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+    act = actor()
+    g = _group(act, group)
+    if _backend is not None:
+        g = Group(g.id, g.ranks, _backend)
+    if act.worker.rank == src:
+        data = cloudpickle.dumps(object_list)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    await broadcast(size, src, g)
+    if act.worker.rank == src:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    await broadcast(buf, src, g)
+    if act.worker.rank != src:
+        values = cloudpickle.loads(buf.numpy().tobytes())
+        if len(values) != len(object_list):
+            raise ValueError(
+                f"broadcast_object_list: rank {src} sent {len(values)} objects, this rank's "
+                f"object_list has {len(object_list)} slots"
+            )
+        object_list[:] = values
+
+
+async def all_gather_object(object_list: list[Any], obj: Any, group: Group | None = None) -> None:
+    """Gather the picklable ``obj`` of every member into ``object_list`` (one slot per
+    member, in group rank order)."""
+    act = actor()
+    g = _group(act, group)
+    n = len(g.ranks)
+    if not isinstance(object_list, list) or len(object_list) != n:
+        raise ValueError(f"all_gather_object: object_list must be a list of {n} slots")
+    data = cloudpickle.dumps(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    await all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), g)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    await all_gather(bufs, mine, g)
+    for i in range(n):
+        object_list[i] = cloudpickle.loads(bufs[i][: int(sizes[i].item())].numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | None, Any]:
+    """The actor, the group (None for a non-member: warn, do nothing) and its backend."""
+    act = actor()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is not act.worker.loop:
+        raise RuntimeError(f"{what} must be called on the worker's event loop")
+    g = _group(act, group)
+    if act.worker.rank not in g.ranks:
+        warnings.warn(
+            f"{what}: rank {act.worker.rank} is not a member of {g!r}; the call does nothing",
+            stacklevel=3,
+        )
+        return act, None, None
+    if g.backend == "actorgrad":
+        return act, g, act
+    if act.torch is None or act.torch.name != g.backend:
+        raise CollectiveError(f"{g!r} needs the {g.backend} backend, which is not initialized")
+    return act, g, act.torch
+
+
+def _group(act: CollectiveActor, group: Group | None) -> Group:
+    if group is None:
+        return act.world
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be an actorgrad.collective.Group or None, got {type(group).__name__}")
+    known = act.groups.get(group.id)
+    if known is None or known.ranks != group.ranks:
+        raise ValueError(
+            f"{group!r} was not created on this worker; every worker must call new_group() "
+            "with the same ranks, in the same order"
+        )
+    return known
+
+
+def _rank_arg(r: Any, name: str) -> int:
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise TypeError(f"{name} must be an int rank, got {type(r).__name__}")
+    return r
+
+
+def _check_member(r: Any, g: Group, act: CollectiveActor, name: str) -> None:
+    r = _rank_arg(r, name)
+    world = act.worker.world_size
+    if not 0 <= r < world:
+        raise ValueError(f"{name}={r} is out of range for world size {world}")
+    if r not in g.ranks:
+        raise ValueError(f"{name}={r} is not a member of {g!r} ({name} is a global rank)")
+
+
+def _check_peer(r: Any, g: Group, act: CollectiveActor, name: str) -> None:
+    _check_member(r, g, act, name)
+    if r == act.worker.rank:
+        raise ValueError(f"{name}={r} is this worker's own rank; it cannot send to or receive from itself")
+
+
+def _check_tag(tag: Any) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if tag < 0:
+        raise ValueError(f"tag must be >= 0, got {tag}")
+
+
+def _check_tensor(t: Any, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise ValueError(f"{name}: only dense (strided) tensors are supported, got layout {t.layout}")
+    if t.is_quantized:
+        raise ValueError(f"{name}: quantized tensors are not supported")
+
+
+def _check_op(op: Any, t: torch.Tensor) -> None:
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be an actorgrad.collective.ReduceOp, got {op!r}")
+    if op is ReduceOp.AVG and not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"ReduceOp.AVG needs a floating point or complex tensor, got {t.dtype}")
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and t.is_complex():
+        raise TypeError(f"ReduceOp.{op.name} is not defined for complex tensors")
+
+
+def _check_list(lst: Any, g: Group, like: torch.Tensor, name: str, where: str) -> list[torch.Tensor]:
+    n = len(g.ranks)
+    if not isinstance(lst, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {n} tensors on {where}, got {type(lst).__name__}")
+    if len(lst) != n:
+        raise ValueError(f"{name} must have one tensor per group member ({n}), got {len(lst)}")
+    for i, t in enumerate(lst):
+        _check_tensor(t, f"{name}[{i}]")
+        if t.shape != like.shape or t.dtype != like.dtype:
+            raise ValueError(
+                f"{name}[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; it must match "
+                f"tensor ({tuple(like.shape)}, {like.dtype})"
+            )
+    return list(lst)
+
+
+def _done(act: CollectiveActor) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = act.loop.create_future()
+    fut.set_result(None)
+    return fut
+
+
+async def _finish(fut: asyncio.Future[Any], async_op: bool, tensors: list[torch.Tensor]) -> Work | None:
+    if async_op:
+        return Work(fut, tensors)
+    await fut
+    return None
+
+
+__all__ = [
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "new_group",
+    "recv",
+    "reduce",
+    "scatter",
+    "send",
+    "start_all_reduce",
+]

@@ -1,0 +1,331 @@
+"""The pluggable ``torch.distributed`` backend (gloo, or NCCL where there is a GPU).
+
+``init_process_group(backend="gloo")`` builds a c10d store from the actorgrad group
+itself: rank 0 starts a ``TCPStore`` on a free port and broadcasts its address over
+actorgrad, the others connect. Every group then gets its own ``ProcessGroupGloo``
+(``ProcessGroupNCCL``) object on that store, created in the background on the worker's
+thread pool (creation is a blocking rendezvous). The objects are created directly, not
+through ``torch.distributed.init_process_group``, so several workers can live in one
+process (the in-process test groups) and nothing global is touched.
+
+Collectives are issued on the loop thread (c10d only enqueues them) in call order, so
+the order is the same on every rank; completion comes back through the work's future
+(``call_soon_threadsafe``). Point-to-point works have no future in gloo; their blocking
+``wait()`` runs on the thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import CollectiveError
+from ..runtime import Worker
+from ._types import Group, ReduceOp
+
+log = logging.getLogger("actorgrad.collective")
+
+_OPS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.SUM,  # gloo has no AVG: sum, then divide
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+}
+
+PG = Any  # torch's ProcessGroupGloo / ProcessGroupNCCL
+
+
+class TorchBackend:
+    """Runs the collective API on torch.distributed process groups."""
+
+    def __init__(self, worker: Worker, name: str, store: Any, timeout: float, host: str) -> None:
+        self.worker = worker
+        self.loop = worker.loop
+        self.name = name
+        self.store = store
+        self.timeout = datetime.timedelta(seconds=timeout if timeout > 0 else 1800.0)
+        self.host = host
+        self.pgs: dict[int, asyncio.Future[PG]] = {}
+        self.closed = False
+
+    # -- process groups -----------------------------------------------------------------
+    def create_pg(self, group: Group) -> None:
+        """Start creating the process group of ``group`` (members only)."""
+        me = self.worker.rank
+        if me not in group.ranks or group.id in self.pgs:
+            return
+        rank, size = group.ranks.index(me), len(group.ranks)
+        prefix = f"actorgrad/{group.id}/"
+        self.pgs[group.id] = _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size))
+
+    def _make_pg(self, prefix: str, rank: int, size: int) -> PG:
+        store = dist.PrefixStore(prefix, self.store)
+        if self.name == "nccl":
+            from torch.distributed import ProcessGroupNCCL
+
+            nccl_opts = ProcessGroupNCCL.Options()
+            nccl_opts._timeout = self.timeout
+            return ProcessGroupNCCL(store, rank, size, nccl_opts)
+        from torch.distributed import ProcessGroupGloo
+
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        iface = os.environ.get("GLOO_SOCKET_IFNAME")
+        if iface:
+            opts._devices = [ProcessGroupGloo.create_device(interface=iface)]
+        else:
+            opts._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
+        opts._timeout = self.timeout
+        return ProcessGroupGloo(store, rank, size, opts)
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _launch(self, group: Group, issue: Callable[[PG], Any],
+                after: Callable[[], Any] | None = None, blocking: bool = False) -> asyncio.Future[Any]:
+        """Issue ``issue(pg)`` (returns a c10d Work) once the group's pg exists; the
+        future resolves with ``after()`` when the work completes."""
+        result: asyncio.Future[Any] = self.loop.create_future()
+        pg_future = self.pgs.get(group.id)
+        if pg_future is None:
+            result.set_exception(CollectiveError(f"no {self.name} process group for {group!r}"))
+            return result
+
+        def finish(error: BaseException | None) -> None:
+            if result.done():
+                return
+            if error is not None:
+                exc = CollectiveError(f"{self.name}: {error}")
+                exc.__cause__ = error
+                result.set_exception(exc)
+                return
+            try:
+                result.set_result(after() if after is not None else None)
+            except Exception as exc2:
+                result.set_exception(exc2)
+
+        def start(_: Any = None) -> None:
+            if result.done():
+                return
+            if pg_future.cancelled() or pg_future.exception() is not None:
+                finish(pg_future.exception() or CollectiveError("process group creation cancelled"))
+                return
+            if self.closed:
+                finish(CollectiveError(f"the {self.name} backend is shut down"))
+                return
+            try:
+                work = issue(pg_future.result())
+            except Exception as exc:
+                finish(exc)
+                return
+            if blocking:
+                waiter = self.worker.run_blocking(work.wait)
+                waiter.add_done_callback(lambda f: finish(f.exception()))
+                return
+            fut = work.get_future()
+
+            def done(tf: Any) -> None:
+                try:
+                    tf.value()
+                    error = None
+                except Exception as exc:
+                    error = exc
+                with contextlib.suppress(RuntimeError):  # the loop is closed
+                    self.loop.call_soon_threadsafe(finish, error)
+
+            fut.add_done_callback(done)
+
+        if pg_future.done():
+            start()
+        else:
+            pg_future.add_done_callback(start)
+        return result
+
+    # -- the API ------------------------------------------------------------------------
+    def all_reduce(self, group: Group, t: torch.Tensor, op: ReduceOp) -> asyncio.Future[Any]:
+        work, writeback = _staged(t)
+        n = group.size()
+
+        def after() -> None:
+            if op is ReduceOp.AVG:
+                work.div_(n)
+            if writeback is not None:
+                writeback()
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        return self._launch(group, lambda pg: pg.allreduce([work], opts), after)
+
+    def reduce(self, group: Group, t: torch.Tensor, dst: int, op: ReduceOp) -> asyncio.Future[Any]:
+        is_root = dst == self.worker.rank
+        work, writeback = _staged(t, copy=not is_root)
+        n = group.size()
+
+        def after() -> None:
+            if is_root:
+                if op is ReduceOp.AVG:
+                    work.div_(n)
+                if writeback is not None:
+                    writeback()
+
+        opts = dist.ReduceOptions()
+        opts.reduceOp = _OPS[op]
+        opts.rootRank = group.ranks.index(dst)
+        opts.rootTensor = 0
+        return self._launch(group, lambda pg: pg.reduce([work], opts), after)
+
+    def broadcast(self, group: Group, t: torch.Tensor, src: int) -> asyncio.Future[Any]:
+        work, writeback = _staged(t)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = group.ranks.index(src)
+        opts.rootTensor = 0
+        return self._launch(group, lambda pg: pg.broadcast([work], opts), writeback)
+
+    def scatter(self, group: Group, t: torch.Tensor, parts: list[torch.Tensor] | None,
+                src: int) -> asyncio.Future[Any]:
+        work, writeback = _staged(t)
+        opts = dist.ScatterOptions()
+        opts.rootRank = group.ranks.index(src)
+        inputs = [[_staged(p)[0] for p in parts]] if parts is not None else []
+        return self._launch(group, lambda pg: pg.scatter([work], inputs, opts), writeback)
+
+    def gather(self, group: Group, t: torch.Tensor, out: list[torch.Tensor] | None,
+               dst: int | None) -> asyncio.Future[Any]:
+        work, _ = _staged(t)
+        staged = [_staged(o) for o in out] if out is not None else []
+
+        def after() -> None:
+            for _, wb in staged:
+                if wb is not None:
+                    wb()
+
+        outputs = [[w for w, _ in staged]] if out is not None else []
+        if dst is None:
+            return self._launch(group, lambda pg: pg.allgather(outputs, [work]), after)
+        opts = dist.GatherOptions()
+        opts.rootRank = group.ranks.index(dst)
+        return self._launch(group, lambda pg: pg.gather(outputs, [work], opts), after)
+
+    def barrier(self, group: Group) -> asyncio.Future[Any]:
+        return self._launch(group, lambda pg: pg.barrier(dist.BarrierOptions()))
+
+    def send(self, group: Group, t: torch.Tensor, dst: int, tag: int) -> asyncio.Future[Any]:
+        work, _ = _staged(t)
+        peer = group.ranks.index(dst)
+        return self._launch(group, lambda pg: pg.send([work], peer, tag), blocking=True)
+
+    def recv(self, group: Group, t: torch.Tensor, src: int | None, tag: int) -> asyncio.Future[Any]:
+        work, writeback = _staged(t)
+        holder: list[Any] = []
+
+        def issue(pg: PG) -> Any:
+            if src is None:
+                w = pg.recv_anysource([work], tag)
+            else:
+                w = pg.recv([work], group.ranks.index(src), tag)
+            holder.append(w)
+            return w
+
+        def after() -> int:
+            if writeback is not None:
+                writeback()
+            if src is not None:
+                return src
+            return group.ranks[holder[0]._source_rank()]
+
+        return self._launch(group, issue, after, blocking=True)
+
+    def close(self) -> None:
+        """Shut the process groups down (their threads must end before the process)."""
+        self.closed = True
+        for fut in self.pgs.values():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                try:
+                    fut.result().shutdown()
+                except Exception:
+                    log.debug("shutting a process group down failed", exc_info=True)
+        self.pgs.clear()
+        self.store = None
+
+
+def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    from ._actor import _staged as staged
+
+    if t.device.type == "cuda":  # NCCL works on the device itself
+        d = t.detach()
+        if d.is_contiguous() and not copy:
+            return d, None
+        work = d.clone(memory_format=torch.contiguous_format)
+
+        def writeback() -> None:
+            d.copy_(work)
+
+        return work, writeback
+    return staged(t, copy)
+
+
+async def create_backend(worker: Worker, name: str, timeout: float, world: Group) -> TorchBackend:
+    """Create the store and the world process group (called by every worker)."""
+    from ._api import broadcast_object_list
+
+    limit = timeout if timeout > 0 else 1800.0
+    delta = datetime.timedelta(seconds=limit)
+    if worker.rank == 0:
+        host = _host(worker)
+        store = await _off_loop(
+            worker, lambda: dist.TCPStore(host, 0, worker.world_size, True, delta, wait_for_workers=False)
+        )
+        address: list[Any] = [host, int(store.port)]
+    else:
+        address = [None, None]
+        store = None
+    await broadcast_object_list(address, src=0, group=world, _backend="actorgrad")
+    host, port = address
+    if store is None:
+        store = await _off_loop(
+            worker, lambda: dist.TCPStore(host, port, worker.world_size, False, delta)
+        )
+    backend = TorchBackend(worker, name, store, timeout, host)
+    return backend
+
+
+def _off_loop(worker: Worker, make: Callable[[], Any]) -> asyncio.Future[Any]:
+    """``worker.run_blocking(make)``, except that the pool thread keeps no reference to
+    the result: a c10d object whose last reference dies on a daemon thread during
+    interpreter shutdown aborts the process (its destructor drops the GIL)."""
+    holder: list[Any] = []
+    result: asyncio.Future[Any] = worker.loop.create_future()
+
+    def run() -> None:
+        holder.append(make())
+
+    def done(f: asyncio.Future[Any]) -> None:
+        if result.done():
+            return
+        if f.cancelled():
+            result.cancel()
+        elif (exc := f.exception()) is not None:
+            result.set_exception(exc)
+        else:
+            result.set_result(holder.pop())
+
+    worker.run_blocking(run).add_done_callback(done)
+    return result
+
+
+def _host(worker: Worker) -> str:
+    """The address the other ranks reach rank 0's store on."""
+    opts = worker.options
+    for host in (opts.advertise_host, opts.listen_host):
+        if host and host not in ("0.0.0.0", "::"):
+            return host
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+__all__ = ["TorchBackend", "create_backend"]

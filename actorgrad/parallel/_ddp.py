@@ -1,0 +1,378 @@
+"""DistributedDataParallel: gradient buckets all-reduced while the backward runs.
+
+# Theory of operation (PyTorch's DDP design note)
+* ``create`` broadcasts rank 0's parameters and buffers (coalesced per dtype) so every
+  replica starts equal, then assigns the parameters that require grad to buckets in
+  *reverse* registration order (the order the backward tends to produce gradients in),
+  each bucket holding up to ``bucket_cap_mb`` of one dtype, with one flat buffer.
+* Each parameter gets a post-accumulate-grad hook. ``await ddp.backward(loss)`` runs
+  torch's ``loss.backward()`` on the worker's thread pool, so the loop stays free to
+  communicate; the hooks fire on that thread, copy the gradient into its bucket slot
+  and hand the readiness to the loop (``call_soon_threadsafe``). A bucket whose
+  gradients are all in is all-reduced (averaged) at once, but buckets are launched in
+  index order only, so every rank issues the same collectives in the same order.
+* When the local backward returns, buckets still incomplete are launched too (missing
+  gradients count as zeros); then every all-reduce is awaited and the averages are
+  written into ``.grad``.
+* ``find_unused_parameters=True``: at forward time the output's autograd graph is
+  walked; parameters it does not reach are marked ready (zero) up front, and one more
+  small all-reduce of a "used" mask tells which parameters no rank used (their
+  ``.grad`` is left alone, as torch does).
+* Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
+  synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
+  ``backward`` (which is the same data: nothing changes buffers in between) and in
+  :meth:`DistributedDataParallel.sync_buffers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import collective as C
+from ..collective._api import start_all_reduce
+from ..runtime import Worker, get_worker
+
+_MiB = 1 << 20
+
+
+class _Bucket:
+    __slots__ = ("buffer", "future", "index", "params", "pending", "slots", "written")
+
+    def __init__(self, index: int, params: list[int], slots: list[tuple[int, int]],
+                 buffer: torch.Tensor) -> None:
+        self.index = index
+        self.params = params  # parameter indices
+        self.slots = slots  # (offset, numel) per parameter
+        self.buffer = buffer
+        self.pending = len(params)
+        self.future: asyncio.Future[Any] | None = None
+        self.written = False
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper of ``module``, as ``torch.nn.parallel.DistributedDataParallel``.
+
+    Build it with ``ddp = await DistributedDataParallel.create(module, ...)`` on every
+    member of the group; call ``out = ddp(x)`` and ``await ddp.backward(loss)``; then
+    step an ordinary optimizer over ``ddp.parameters()`` (or the module's).
+    """
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, group: C.Group | None = None,
+                 broadcast_buffers: bool = True, _created: bool = False) -> None:
+        if not _created:
+            raise TypeError(
+                "use `ddp = await DistributedDataParallel.create(module, ...)`: building the "
+                "wrapper broadcasts rank 0's state, which needs to be awaited"
+            )
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        self.group = group
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = bucket_cap_mb
+        self.require_backward_grad_sync = True
+        worker = get_worker()
+        self._worker: Worker = worker
+        self._loop = worker.loop
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._where: list[tuple[int, int, int]] = []  # param -> (bucket, offset, numel)
+        self._buckets = self._make_buckets(int(bucket_cap_mb * _MiB))
+        self._next_launch = 0
+        self._active = False  # inside backward(): hooks feed the buckets
+        self._stray = False  # hooks fired outside backward()
+        self._ready = [False] * len(self._params)
+        self._unused: list[int] = []  # from the last forward (find_unused_parameters)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
+        ]
+
+    @classmethod
+    async def create(cls, module: nn.Module, bucket_cap_mb: float = 25.0,
+                     find_unused_parameters: bool = False, group: C.Group | None = None,
+                     broadcast_buffers: bool = True) -> DistributedDataParallel:
+        """Wrap ``module`` (call on every member of ``group``, all with the same model).
+
+        Args:
+            module: the local replica.
+            bucket_cap_mb: gradient bucket size in MiB.
+            find_unused_parameters: walk the autograd graph of every forward's output
+                and treat parameters it does not reach as ready (needed when some
+                parameters get no gradient in an iteration).
+            group: the collective group (default: all workers).
+            broadcast_buffers: keep buffers (batch-norm statistics) equal to rank 0's.
+
+        Returns:
+            The wrapper, after rank 0's parameters and buffers were copied everywhere.
+        """
+        ddp = cls(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                  group=group, broadcast_buffers=broadcast_buffers, _created=True)
+        tensors = list(module.parameters()) + list(module.buffers())
+        await ddp._broadcast(tensors)
+        return ddp
+
+    # -- construction -------------------------------------------------------------------
+    def _make_buckets(self, cap: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        self._where = [(0, 0, 0)] * len(self._params)
+        current: list[int] = []
+        size = 0
+        key: tuple[torch.dtype, torch.device] | None = None
+
+        def close() -> None:
+            nonlocal current, size
+            if not current:
+                return
+            index = len(buckets)
+            slots = []
+            offset = 0
+            for i in current:
+                n = self._params[i].numel()
+                slots.append((offset, n))
+                self._where[i] = (index, offset, n)
+                offset += n
+            first = self._params[current[0]]
+            buffer = torch.zeros(offset, dtype=first.dtype, device=first.device)
+            buckets.append(_Bucket(index, current, slots, buffer))
+            current, size = [], 0
+
+        for i in reversed(range(len(self._params))):
+            p = self._params[i]
+            k = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if current and (k != key or size + nbytes > cap):
+                close()
+            key = k
+            current.append(i)
+            size += nbytes
+        close()
+        return buckets
+
+    async def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Copy rank 0's ``tensors`` (of the group) into every replica's, coalesced."""
+        src = (self.group.ranks if self.group is not None else (0,))[0]
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for (dtype, device), ts in sorted(by_kind.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype, device=device)
+            await C.broadcast(flat, src, group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for t in ts:
+                    n = t.numel()
+                    t.copy_(flat[offset : offset + n].view_as(t))
+                    offset += n
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; with ``find_unused_parameters`` also find the parameters the
+        output does not depend on."""
+        if self._stray:
+            self._stray = False
+            raise RuntimeError(
+                "gradients of this DistributedDataParallel module were computed with "
+                "`loss.backward()`, so they were not averaged across ranks; use "
+                "`await ddp.backward(loss)`"
+            )
+        out = self.module(*inputs, **kwargs)
+        if self.find_unused_parameters and torch.is_grad_enabled():
+            self._unused = self._find_unused(out)
+        return out
+
+    def _find_unused(self, out: Any) -> list[int]:
+        seen: set[int] = set()
+        reached: set[int] = set()
+        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        direct = {id(t) for t in _tensors(out) if t.requires_grad and t.grad_fn is None}
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                reached.add(id(var))
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+        reached |= direct
+        return [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    # -- backward -------------------------------------------------------------------------
+    def _make_hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            if not self._active:
+                if self.require_backward_grad_sync:
+                    self._stray = True
+                return
+            b, offset, n = self._where[i]
+            grad = p.grad
+            if grad is not None:
+                self._buckets[b].buffer[offset : offset + n].copy_(grad.detach().reshape(-1))
+            self._loop.call_soon_threadsafe(self._mark_ready, i)
+
+        return hook
+
+    def _mark_ready(self, i: int) -> None:
+        if self._ready[i] or not self._active:
+            return
+        self._ready[i] = True
+        bucket = self._buckets[self._where[i][0]]
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            bucket = self._buckets[self._next_launch]
+            bucket.written = False
+            bucket.future = start_all_reduce(bucket.buffer, C.ReduceOp.AVG, self.group)
+            if not self.find_unused_parameters:  # write each bucket's grads as it lands
+                bucket.future.add_done_callback(functools.partial(self._bucket_done, bucket))
+            self._next_launch += 1
+
+    def _bucket_done(self, bucket: _Bucket, future: asyncio.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None or not self._active:
+            return
+        self._write_bucket(bucket, None)
+
+    def _prepare(self) -> None:
+        self._next_launch = 0
+        self._ready = [False] * len(self._params)
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.params)
+            bucket.future = None
+        self._active = True
+        for i in self._unused:
+            self._zero_slot(i)
+            self._mark_ready(i)
+
+    def _zero_slot(self, i: int) -> None:
+        b, offset, n = self._where[i]
+        self._buckets[b].buffer[offset : offset + n].zero_()
+
+    async def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
+                       retain_graph: bool | None = None) -> None:
+        """``loss.backward()`` with gradients averaged over the group into ``.grad``.
+
+        The local backward runs on the worker's thread pool while the buckets that are
+        complete are all-reduced on the loop. Inside :meth:`no_sync` only the local
+        backward runs (gradients accumulate locally).
+
+        Raises:
+            RuntimeError: some parameters got no gradient and ``find_unused_parameters``
+                is off (their buckets were still reduced, with zeros, on this rank).
+            CollectiveError: the all-reduce failed (a rank is gone, ...).
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        if not self.require_backward_grad_sync:
+            await self._worker.run_blocking(lambda: loss.backward(gradient, retain_graph))
+            return
+        unused = set(self._unused)
+        used = [i not in unused for i in range(len(self._params))]
+        missing: list[int] = []
+        self._prepare()
+        try:
+            try:
+                await self._worker.run_blocking(lambda: loss.backward(gradient, retain_graph))
+            finally:
+                missing = [i for i, ready in enumerate(self._ready) if not ready]
+                for i in missing:  # keep the collectives of all ranks in step
+                    self._zero_slot(i)
+                    self._ready[i] = True
+                    self._buckets[self._where[i][0]].pending -= 1
+                self._launch_ready()
+            await asyncio.gather(*(b.future for b in self._buckets if b.future is not None))
+            global_used: list[bool] | None = None
+            if self.find_unused_parameters:
+                mask = torch.tensor([1.0 if u else 0.0 for u in used])
+                await C.all_reduce(mask, group=self.group)
+                global_used = [bool(v > 0) for v in mask.tolist()]
+        finally:
+            self._active = False
+        self._write_grads(global_used)
+        self._unused = []
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                await self._broadcast(buffers)
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self._names[i] for i in missing[:8])
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) received no gradient in this backward ({names}); "
+                "the other ranks waited for them. If some parameters are legitimately not "
+                "used in some iterations, create the wrapper with find_unused_parameters=True"
+            )
+
+    def _write_grads(self, global_used: list[bool] | None) -> None:
+        for bucket in self._buckets:
+            if not bucket.written:
+                self._write_bucket(bucket, global_used)
+
+    def _write_bucket(self, bucket: _Bucket, global_used: list[bool] | None) -> None:
+        """Put the averaged gradients of ``bucket`` into ``.grad``."""
+        bucket.written = True
+        buffer = bucket.buffer
+        with torch.no_grad():
+            for i, (offset, n) in zip(bucket.params, bucket.slots, strict=True):
+                if global_used is not None and not global_used[i]:
+                    continue
+                p = self._params[i]
+                avg = buffer[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+
+    async def sync_buffers(self) -> None:
+        """Copy rank 0's buffers into every replica (torch does this each forward)."""
+        buffers = list(self.module.buffers())
+        if buffers:
+            await self._broadcast(buffers)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient averaging inside (local accumulation, as torch's ``no_sync``)."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def remove_hooks(self) -> None:
+        """Detach the wrapper from the module's parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Number of parameters in each bucket, in bucket order."""
+        return [len(b.params) for b in self._buckets]
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+__all__ = ["DistributedDataParallel"]

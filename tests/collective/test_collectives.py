@@ -1,0 +1,291 @@
+"""Every collective on 4 workers, against values computed locally; both backends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from collective_helpers import run_all, tune
+from torch.testing import assert_close
+
+import actorgrad.collective as C
+from actorgrad.collective import ReduceOp
+from actorgrad.testing import InProcessGroup
+
+N = 4
+
+
+def inp(rank: int, shape: tuple[int, ...] = (3, 5), dtype: torch.dtype = torch.float32,
+        op: ReduceOp | None = None) -> torch.Tensor:
+    """The input of ``rank``: seeded by the rank, so every test can recompute it."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=g, dtype=torch.float64)
+        if op is ReduceOp.PRODUCT:
+            t = 1 + 0.1 * t
+        return t.to(dtype)
+    return torch.randint(-50, 50, shape, generator=g).to(dtype)
+
+
+def expected(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            out = out + t
+        elif op is ReduceOp.PRODUCT:
+            out = out * t
+        elif op is ReduceOp.MIN:
+            out = torch.minimum(out, t)
+        else:
+            out = torch.maximum(out, t)
+    if op is ReduceOp.AVG:
+        out = out / len(tensors)
+    return out
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+async def test_all_reduce_every_op(world4: InProcessGroup, op: ReduceOp) -> None:
+    async def body(rank: int) -> torch.Tensor:
+        t = inp(rank, op=op)
+        assert await C.all_reduce(t, op=op) is None
+        return t
+
+    results = await run_all(world4, body)
+    want = expected(op, [inp(r, op=op) for r in range(N)])
+    for got in results:
+        assert_close(got, want)
+    for got in results[1:]:  # every rank holds the same bits
+        assert torch.equal(got, results[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float64, torch.bfloat16])
+async def test_all_reduce_dtypes(world4: InProcessGroup, dtype: torch.dtype) -> None:
+    async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s, m = inp(rank, (7,), dtype), inp(rank, (7,), dtype)
+        await C.all_reduce(s)
+        await C.all_reduce(m, op=ReduceOp.MAX)
+        return s, m
+
+    results = await run_all(world4, body)
+    ins = [inp(r, (7,), dtype) for r in range(N)]
+    for s, m in results:
+        assert_close(s, expected(ReduceOp.SUM, ins), rtol=1e-2 if dtype == torch.bfloat16 else None,
+                     atol=1e-1 if dtype == torch.bfloat16 else None)
+        assert_close(m, expected(ReduceOp.MAX, ins))
+
+
+async def test_all_reduce_non_contiguous_and_scalar(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        base = inp(rank, (4, 6))
+        view = base.t()  # non-contiguous: written back in place
+        await C.all_reduce(view)
+        scalar = torch.tensor(float(rank))
+        await C.all_reduce(scalar)
+        return base, scalar
+
+    results = await run_all(world4, body)
+    want = expected(ReduceOp.SUM, [inp(r, (4, 6)) for r in range(N)])
+    for base, scalar in results:
+        assert_close(base, want)
+        assert scalar.item() == 6.0
+
+
+@pytest.mark.parametrize("src", [0, 3])
+async def test_broadcast(world4: InProcessGroup, src: int) -> None:
+    async def body(rank: int) -> torch.Tensor:
+        t = inp(rank, (2, 3, 4))
+        await C.broadcast(t, src)
+        return t
+
+    for got in await run_all(world4, body):
+        assert torch.equal(got, inp(src, (2, 3, 4)))
+
+
+async def test_reduce_leaves_other_ranks_alone(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> torch.Tensor:
+        t = inp(rank)
+        await C.reduce(t, dst=2, op=ReduceOp.MAX)
+        return t
+
+    results = await run_all(world4, body)
+    assert_close(results[2], expected(ReduceOp.MAX, [inp(r) for r in range(N)]))
+    for r in (0, 1, 3):
+        assert torch.equal(results[r], inp(r))
+
+
+async def test_scatter_gather_all_gather(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor]]:
+        out = torch.zeros(3, 5)
+        parts = [inp(10 + i) for i in range(N)] if rank == 1 else None
+        await C.scatter(out, parts, src=1)
+        gathered = [torch.zeros(3, 5) for _ in range(N)] if rank == 3 else None
+        await C.gather(inp(rank), gathered, dst=3)
+        everyone = [torch.zeros(3, 5) for _ in range(N)]
+        await C.all_gather(everyone, inp(rank))
+        return out, gathered, everyone
+
+    results = await run_all(world4, body)
+    for rank, (out, gathered, everyone) in enumerate(results):
+        assert torch.equal(out, inp(10 + rank))
+        assert (gathered is None) == (rank != 3)
+        for i in range(N):
+            assert torch.equal(everyone[i], inp(i))
+            if gathered is not None:
+                assert torch.equal(gathered[i], inp(i))
+
+
+async def test_barrier_waits_for_the_last_rank(world4: InProcessGroup) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def body(rank: int) -> float:
+        if rank == 2:
+            await asyncio.sleep(0.3)
+        start = loop.time()
+        await C.barrier()
+        return loop.time() - start
+
+    waited = await run_all(world4, body)
+    assert all(w >= 0.2 for r, w in enumerate(waited) if r != 2)
+
+
+async def test_subgroups_and_non_members(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> tuple[int, int, int, torch.Tensor]:
+        odd = C.new_group([3, 1])  # every worker creates both groups, in the same order
+        even = C.new_group([0, 2])
+        mine = odd if rank % 2 else even
+        other = even if rank % 2 else odd
+        t = inp(rank)
+        await C.all_reduce(t, group=mine)
+        with pytest.warns(UserWarning, match="not a member"):
+            assert await C.all_reduce(torch.zeros(1), group=other) is None
+        src = mine.ranks[-1]  # a global rank
+        b = torch.full((2,), float(rank))
+        await C.broadcast(b, src, group=mine)
+        assert b.tolist() == [float(src)] * 2
+        return C.get_rank(mine), C.get_rank(other), C.get_world_size(mine), t
+
+    results = await run_all(world4, body)
+    for rank, (grank, other_rank, size, t) in enumerate(results):
+        members = [1, 3] if rank % 2 else [0, 2]
+        assert grank == members.index(rank) and other_rank == -1 and size == 2
+        assert_close(t, expected(ReduceOp.SUM, [inp(r) for r in members]))
+
+
+async def test_concurrent_ops_on_two_groups_never_mix(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g1 = C.new_group([0, 1, 2, 3])
+        g2 = C.new_group([0, 1, 2, 3])
+        a, b, c = inp(rank), inp(rank) * 10, inp(rank) * 100
+        # the order across groups differs per rank; within a group it is the same
+        if rank % 2:
+            w2 = await C.all_reduce(b, group=g2, async_op=True)
+            w1 = await C.all_reduce(a, group=g1, async_op=True)
+            w3 = await C.all_reduce(c, op=ReduceOp.MAX, group=g2, async_op=True)
+        else:
+            w1 = await C.all_reduce(a, group=g1, async_op=True)
+            w2 = await C.all_reduce(b, group=g2, async_op=True)
+            w3 = await C.all_reduce(c, op=ReduceOp.MAX, group=g2, async_op=True)
+        assert w1 is not None and w2 is not None and w3 is not None
+        await asyncio.gather(w3.wait(), w1, w2.wait())
+        assert w1.is_completed() and w1.is_success()
+        return a, b, c
+
+    results = await run_all(world4, body)
+    ins = [inp(r) for r in range(N)]
+    for a, b, c in results:
+        assert_close(a, expected(ReduceOp.SUM, ins))
+        assert_close(b, expected(ReduceOp.SUM, [t * 10 for t in ins]))
+        assert_close(c, expected(ReduceOp.MAX, [t * 100 for t in ins]))
+
+
+async def test_objects(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> tuple[list[object], list[object]]:
+        objs: list[object] = [{"from": rank, "fn": len}, None] if rank == 2 else [None, None]
+        await C.broadcast_object_list(objs, src=2)
+        everyone: list[object] = [None] * N
+        await C.all_gather_object(everyone, ("rank", rank, "x" * rank))
+        return objs, everyone
+
+    for objs, everyone in await run_all(world4, body):
+        assert objs == [{"from": 2, "fn": len}, None]
+        assert everyone == [("rank", r, "x" * r) for r in range(N)]
+
+
+# -- large tensors: ring all-reduce, chain broadcast ----------------------------------------
+@pytest.mark.parametrize("cma", [True, False], ids=["cma", "tcp"])
+@pytest.mark.parametrize("numel", [300_003, 1_000_000])  # 1.2 MB not divisible by 4; 4 MB
+async def test_ring_all_reduce_and_chain_broadcast(make_group: object, numel: int, cma: bool) -> None:
+    group: InProcessGroup = await make_group(N)  # type: ignore[operator]
+    tune(group, use_cma=cma, chunk_bytes=256 << 10)
+
+    async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = []
+        for _ in range(2):  # the second round uses CMA once the probes are answered
+            t = inp(rank, (numel,))
+            await C.all_reduce(t)
+            avg = inp(rank, (numel,))
+            await C.all_reduce(avg, op=ReduceOp.AVG)
+            b = inp(rank, (numel,))
+            await C.broadcast(b, src=1)
+            out = [t, avg, b]
+        return out[0], out[1], out[2]
+
+    results = await run_all(group, body, timeout=60)
+    ins = [inp(r, (numel,)) for r in range(N)]
+    want = expected(ReduceOp.SUM, ins)
+    for t, avg, b in results:
+        assert_close(t, want, rtol=1e-5, atol=1e-5)
+        assert_close(avg, want / N, rtol=1e-5, atol=1e-5)
+        assert torch.equal(b, ins[1])
+        assert torch.equal(t, results[0][0])  # identical on every rank
+
+
+async def test_ring_reduce_and_large_gather(make_group: object) -> None:
+    group: InProcessGroup = await make_group(N)  # type: ignore[operator]
+    tune(group, ring_min_bytes=1 << 10, chunk_bytes=4 << 10)
+    numel = 10_001
+
+    async def body(rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        t = inp(rank, (numel,))
+        await C.reduce(t, dst=3, op=ReduceOp.MIN)
+        everyone = [torch.empty(numel) for _ in range(N)]
+        await C.all_gather(everyone, inp(rank, (numel,)) * 2)
+        return t, everyone
+
+    results = await run_all(group, body)
+    ins = [inp(r, (numel,)) for r in range(N)]
+    assert torch.equal(results[3][0], expected(ReduceOp.MIN, ins))
+    for rank, (t, everyone) in enumerate(results):
+        if rank != 3:
+            assert torch.equal(t, ins[rank])
+        for i in range(N):
+            assert torch.equal(everyone[i], ins[i] * 2)
+
+
+async def test_ring_with_tiny_chunks_and_more_elements_than_bytes(make_group: object) -> None:
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    tune(group, ring_min_bytes=1, chunk_bytes=8)
+
+    async def body(rank: int) -> torch.Tensor:
+        t = torch.arange(11, dtype=torch.int64) * (rank + 1)
+        await C.all_reduce(t, op=ReduceOp.PRODUCT)
+        return t
+
+    for t in await run_all(group, body):
+        assert torch.equal(t, torch.arange(11, dtype=torch.int64) ** 3 * 6)
+
+
+# -- async_op and Work -----------------------------------------------------------------------
+async def test_async_op_work(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> torch.Tensor:
+        t = torch.ones(4) * rank
+        work = await C.all_reduce(t, async_op=True)
+        assert isinstance(work, C.Work)
+        assert await work.wait() is True
+        assert work.is_completed() and work.exception() is None
+        assert work.result() == [t]
+        return t
+
+    for t in await run_all(world4, body):
+        assert t.tolist() == [6.0] * 4

@@ -1,0 +1,220 @@
+"""Argument checks like torch.distributed; mismatches raise on every rank; dead ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+from collective_helpers import run_all, run_all_settled, tune
+
+import actorgrad as ag
+import actorgrad.collective as C
+from actorgrad import CollectiveError
+from actorgrad.collective import ReduceOp
+from actorgrad.testing import InProcessGroup
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+async def test_argument_checks(make_group: object) -> None:
+    group: InProcessGroup = await make_group(2)  # type: ignore[operator]
+    t = torch.zeros(2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        await C.all_reduce([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ReduceOp"):
+        await C.all_reduce(t, op="sum")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="AVG"):
+        await C.all_reduce(torch.zeros(2, dtype=torch.int64), op=ReduceOp.AVG)
+    with pytest.raises(ValueError, match="out of range"):
+        await C.broadcast(t, src=5)
+    with pytest.raises(TypeError, match="int"):
+        await C.broadcast(t, src=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="own rank"):
+        await C.send(t, dst=0)
+    with pytest.raises(ValueError, match="tag"):
+        await C.send(t, dst=1, tag=-1)
+    with pytest.raises(ValueError, match="one tensor per group member"):
+        await C.all_gather([torch.zeros(2)], t)
+    with pytest.raises(ValueError, match="must match"):
+        await C.all_gather([torch.zeros(2), torch.zeros(3)], t)
+    with pytest.raises(ValueError, match="must be None"):
+        await C.gather(t, [t, t], dst=1)
+    with pytest.raises(TypeError, match="scatter_list"):
+        await C.scatter(t, None, src=0)
+    with pytest.raises(ValueError, match="duplicate"):
+        C.new_group([0, 0])
+    with pytest.raises(ValueError, match="out of range"):
+        C.new_group([0, 9])
+    with pytest.raises(ValueError, match="unknown backend"):
+        await C.init_process_group(backend="mpi")
+    sub = C.new_group([0])
+    with pytest.raises(ValueError, match="not a member"):
+        await C.broadcast(t, src=1, group=sub)
+    with pytest.raises(TypeError, match="Group"):
+        await C.barrier(group=[0, 1])  # type: ignore[arg-type]
+    assert len(group.workers) == 2
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op", "collective"])
+@pytest.mark.parametrize("size", [3, 200_000], ids=["small", "large"])
+async def test_mismatch_raises_on_every_rank(make_group: object, kind: str, size: int) -> None:
+    group: InProcessGroup = await make_group(4)  # type: ignore[operator]
+
+    async def body(rank: int) -> None:
+        odd = rank == 2
+        n = size + 1 if kind == "shape" and odd else size
+        dtype = torch.float64 if kind == "dtype" and odd else torch.float32
+        t = torch.ones(n, dtype=dtype)
+        if kind == "op" and odd:
+            await C.all_reduce(t, op=ReduceOp.MAX)
+        elif kind == "collective" and odd:
+            await C.broadcast(t, src=0)
+        else:
+            await C.all_reduce(t)
+
+    start = time.monotonic()
+    results = await run_all_settled(group, body, timeout=20)
+    assert time.monotonic() - start < 10
+    for r in results:
+        assert isinstance(r, CollectiveError), r
+        assert "rank 2" in str(r) or "rank 0" in str(r)
+
+
+async def test_mismatched_broadcast_raises_on_every_rank(make_group: object) -> None:
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def body(rank: int) -> None:
+        await C.broadcast(torch.zeros(5 if rank != 1 else 6), src=0)
+
+    for r in await run_all_settled(group, body, timeout=20):
+        assert isinstance(r, CollectiveError) and "shape=(6,)" in str(r)
+
+
+async def test_recv_of_the_wrong_shape_raises_on_both_sides(make_group: object) -> None:
+    group: InProcessGroup = await make_group(2)  # type: ignore[operator]
+
+    async def body(rank: int) -> None:
+        if rank == 0:
+            await C.send(torch.zeros(100_000), dst=1)  # large: waits for the receiver
+        else:
+            await C.recv(torch.zeros(99_999), src=0)
+
+    results = await run_all_settled(group, body)
+    assert all(isinstance(r, CollectiveError) and "shape" in str(r) for r in results), results
+
+
+async def test_deadline(make_group: object) -> None:
+    group: InProcessGroup = await make_group(2)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+    with pytest.raises(CollectiveError, match="timed out.*signatures of ranks \\[1\\]"):
+        await C.all_reduce(torch.zeros(1))  # worker1 never joins
+    with pytest.raises(CollectiveError, match="timed out"):
+        await C.recv(torch.zeros(1), src=1)
+
+
+async def _set_timeout(rank: int) -> None:
+    await C.init_process_group(timeout=0.3)
+
+
+async def test_group_still_works_after_a_failed_collective(make_group: object) -> None:
+    group: InProcessGroup = await make_group(2)  # type: ignore[operator]
+
+    async def body(rank: int) -> float:
+        with pytest.raises(CollectiveError):
+            await C.all_reduce(torch.zeros(2 + rank))
+        t = torch.ones(1)
+        await C.all_reduce(t)
+        return t.item()
+
+    assert await run_all(group, body) == [2.0, 2.0]
+
+
+# -- a rank that dies ------------------------------------------------------------------------
+async def _install() -> None:
+    """Make sure a subprocess worker has its CollectiveActor (until ``actorgrad``
+    imports ``actorgrad.collective`` itself, a plain worker process does not)."""
+    from actorgrad.collective._actor import actor
+
+    actor()
+
+
+async def _join_all_reduce(numel: int, delay: float) -> str:
+    """Run on a subprocess worker: one all_reduce, after ``delay`` seconds."""
+    await asyncio.sleep(delay)
+    t = torch.ones(numel)
+    try:
+        await C.all_reduce(t)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numel", [4, 1_000_000], ids=["direct", "ring"])
+async def test_dead_rank_makes_the_others_raise(make_process_group: object, numel: int) -> None:
+    group = await make_process_group(4)  # type: ignore[operator]
+    await asyncio.gather(*(ag.rpc_async(f"worker{r}", _install) for r in (1, 2, 3)))
+    # a warm-up all-reduce on all four, so the ring also uses CMA after the probes
+    warm = [ag.rpc_async(f"worker{r}", _join_all_reduce, args=(numel, 0.0)) for r in (1, 2, 3)]
+    t = torch.ones(numel)
+    await C.all_reduce(t)
+    assert await asyncio.gather(*warm) == ["ok"] * 3
+    # worker3 joins late; it is killed before it does
+    survivors = [ag.rpc_async(f"worker{r}", _join_all_reduce, args=(numel, 0.0)) for r in (1, 2)]
+    late = ag.rpc_async("worker3", _join_all_reduce, args=(numel, 30.0))
+    mine = asyncio.ensure_future(C.all_reduce(torch.ones(numel)))
+    await asyncio.sleep(0.3)
+    start = time.monotonic()
+    group.kill(3)
+    with pytest.raises(CollectiveError, match="rank 3"):
+        await asyncio.wait_for(mine, 10)
+    others = await asyncio.wait_for(asyncio.gather(*survivors), 10)
+    assert time.monotonic() - start < 10
+    assert all(o.startswith("CollectiveError") and "rank 3" in o for o in others), others
+    with pytest.raises(ag.ActorgradError):
+        await late
+    # the group with the dead rank fails fast from now on; a group without it works
+    with pytest.raises(CollectiveError, match="gone"):
+        await C.all_reduce(torch.ones(2))
+
+
+@pytest.mark.slow
+def test_every_collective_across_four_processes() -> None:
+    """A real 4-process run (``actorgrad launch``): CMA between processes, both backends."""
+    root = Path(__file__).parents[2]
+    env = dict(os.environ)
+    env.pop("ACTORGRAD_AUTH_KEY", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    script = Path(__file__).parent / "scripts" / "every_collective.py"
+    proc = _launch([sys.executable, "-m", "actorgrad", "launch", "--nproc", "4", str(script)], env, root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "every collective OK on both backends" in proc.stdout
+
+
+def _launch(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the launcher in its own session; kill the whole session if it overruns."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=cwd, start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=120)
+        finally:
+            if popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+    return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
+
+
+async def test_tune_helper_reaches_every_worker(make_group: object) -> None:
+    group: InProcessGroup = await make_group(2)  # type: ignore[operator]
+    tune(group, ring_min_bytes=123)
+    assert all(w.extensions["collective"].ring_min_bytes == 123 for w in group.workers)

@@ -1,0 +1,222 @@
+"""DistributedDataParallel against single-process training."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import actorgrad.collective as C
+from actorgrad.parallel import DistributedDataParallel as DDP
+from actorgrad.testing import InProcessGroup
+
+ROOT = Path(__file__).parents[2]
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+torch.manual_seed(0)
+X = torch.randn(8, 6)
+Y = torch.randn(8, 3)
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+async def run_all(group: InProcessGroup, body: Callable[..., Awaitable[Any]]) -> list[Any]:
+    tasks = [group.run_as(r, body, r) for r in range(len(group.workers))]
+    return list(await asyncio.wait_for(asyncio.gather(*tasks), 60))
+
+
+async def run_settled(group: InProcessGroup, body: Callable[..., Awaitable[Any]]) -> list[Any]:
+    tasks = [group.run_as(r, body, r) for r in range(len(group.workers))]
+    return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60))
+
+
+@pytest.mark.parametrize("backend", ["actorgrad", "gloo"])
+async def test_five_steps_match_single_process_training(make_group: Any, backend: str) -> None:
+    group: InProcessGroup = await make_group(2)
+    reference = mlp(0)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(5):
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(X), Y).backward()  # the full batch, mean loss
+        opt.step()
+
+    async def body(rank: int) -> tuple[list[torch.Tensor], list[int]]:
+        await C.init_process_group(backend=backend)
+        model = mlp(rank)  # different on purpose: create() copies rank 0's
+        ddp = await DDP.create(model, bucket_cap_mb=0.0008)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        shard = slice(4 * rank, 4 * rank + 4)
+        for _ in range(5):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(X[shard]), Y[shard])
+            await ddp.backward(loss)
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()], ddp.bucket_sizes
+
+    (params0, buckets), (params1, _) = await run_all(group, body)
+    assert len(buckets) >= 3 and sum(buckets) == 6
+    for a, b, want in zip(params0, params1, reference.parameters(), strict=True):
+        assert torch.equal(a, b)  # the replicas stay bitwise equal
+        assert_close(a, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+async def test_buckets_in_reverse_registration_order(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> list[list[int]]:
+        ddp = await DDP.create(mlp(0), bucket_cap_mb=(16 * 16 * 4 + 16 * 4) / 2**20)
+        return [b.params for b in ddp._buckets]
+
+    layout = (await run_all(group, body))[0]
+    # cap = W2 + b1: filled from the last parameter backwards, never over the cap
+    assert layout == [[5, 4, 3], [2, 1], [0]]
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+@pytest.mark.parametrize("b_users", [(), (0,)], ids=["nobody", "rank0"])
+async def test_find_unused_parameters(make_group: Any, b_users: tuple[int, ...]) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    def local_grads(rank: int) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        m = Branchy()
+        shard = slice(4 * rank, 4 * rank + 4)
+        nn.functional.mse_loss(m(X[shard], rank in b_users), Y[shard]).backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    async def body(rank: int) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        model = Branchy()
+        ddp = await DDP.create(model, bucket_cap_mb=1e-4, find_unused_parameters=True)
+        for _ in range(2):  # twice: the second backward reuses the buckets
+            model.zero_grad(set_to_none=True)
+            shard = slice(4 * rank, 4 * rank + 4)
+            await ddp.backward(nn.functional.mse_loss(ddp(X[shard], rank in b_users), Y[shard]))
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    results = await run_all(group, body)
+    local = [local_grads(r) for r in range(2)]
+    for name in results[0]:
+        parts = [g[name] for g in local]
+        if all(p is None for p in parts):
+            assert results[0][name] is None and results[1][name] is None, name
+            continue
+        want = sum(p for p in parts if p is not None) / 2
+        for r in range(2):
+            assert_close(results[r][name], want, msg=name)
+
+
+async def test_unused_parameter_without_the_flag_raises_instead_of_hanging(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        torch.manual_seed(0)
+        ddp = await DDP.create(Branchy(), bucket_cap_mb=1e-4)
+        await ddp.backward(ddp(X[:4], False).sum())  # self.b gets no gradient
+
+    results = await run_settled(group, body)
+    assert all(isinstance(r, RuntimeError) and "find_unused_parameters" in str(r) for r in results)
+
+
+async def test_buffers_follow_rank0(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+        ddp = await DDP.create(model)
+        shard = slice(4 * rank, 4 * rank + 4)
+        await ddp.backward(ddp(X[shard]).square().mean())  # updates running stats locally
+        return [b.clone() for b in model.buffers()]
+
+    b0, b1 = await run_all(group, body)
+    for x, y in zip(b0, b1, strict=True):
+        assert torch.equal(x, y)
+    assert b0[0].abs().sum() > 0  # the running mean moved
+
+
+async def test_no_sync_accumulates_locally(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> list[Any]:
+        model = mlp(0)
+        ddp = await DDP.create(model)
+        with ddp.no_sync():
+            await ddp.backward(ddp(X[rank : rank + 1]).sum())
+        local = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        await ddp.backward(ddp(X[rank + 2 : rank + 3]).sum())  # now averages the total
+        return [*local, *(p.grad for p in model.parameters())]
+
+    r0, r1 = await run_all(group, body)
+    n = len(r0) // 2
+    assert not torch.equal(r0[0], r1[0])
+    ref = mlp(0)
+    for rank in range(2):
+        ref(X[rank : rank + 1]).sum().backward()
+        ref(X[rank + 2 : rank + 3]).sum().backward()
+    for got0, got1, want in zip(r0[n:], r1[n:], ref.parameters(), strict=True):
+        assert torch.equal(got0, got1)
+        assert_close(got0, want.grad / 2)  # type: ignore[operator]
+
+
+async def test_plain_loss_backward_is_reported(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        ddp = await DDP.create(mlp(0))
+        ddp(X).sum().backward()  # not averaged: the next forward says so
+        with pytest.raises(RuntimeError, match="await ddp.backward"):
+            ddp(X)
+
+    await run_all(group, body)
+
+
+async def test_constructor_needs_create() -> None:
+    with pytest.raises(TypeError, match="create"):
+        DDP(mlp(0))
+
+
+@pytest.mark.slow
+def test_example_trains_over_two_processes() -> None:
+    env = dict(os.environ)
+    env.pop("ACTORGRAD_AUTH_KEY", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "actorgrad", "launch", "--nproc", "2", str(ROOT / "examples" / "ddp_train.py"),
+           "--steps", "80", "--train-size", "2000", "--test-size", "500", "--min-accuracy", "0.5"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=ROOT, start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=120)
+        finally:
+            if popen.poll() is None:  # kill the launcher and its ranks
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test accuracy" in proc.stdout
