@@ -331,6 +331,42 @@ async def bench_actorgrad(cfg, ag, mod, torch) -> None:
     emit(impl, "local_linear1024_sgd_iter_median_ms", pct(ts, 50) * 1e3, "ms", n=n_c,
          how="same Linear+loss+backward+SGD.step in one process, no RPC (compute floor)")
 
+    # ---- e. SMART mode beside FAST on the same workloads (every RPC is used) -------
+    async def seed_smart():
+        async with autograd.context() as cid:
+            t1 = torch.rand((3, 3), requires_grad=True)
+            t2 = torch.rand((3, 3), requires_grad=True)
+            t3 = await ag.rpc_async(w1, torch.add, args=(t1, t2))
+            loss = torch.mul(t3, torch.rand((3, 3), requires_grad=True)).sum()
+            await autograd.backward(cid, [loss], mode="smart")
+
+    ts = await atimeit(seed_smart, n_a, 50)
+    emit(impl, "smart_seed_iter_median_ms", pct(ts, 50) * 1e3, "ms", n=n_a,
+         how="the seed iteration with backward(mode='smart')")
+    for K in KS:
+        n_e = max(8, {1: 200, 4: 100, 16: 40}[K] // (5 if q else 1))
+
+        async def chain_smart(K=K):
+            async with autograd.context() as cid:
+                y = torch.rand((256, 256), requires_grad=True)
+                for _ in range(K):
+                    y = await ag.rpc_async(w1, mod._mul2add1, args=(y,))
+                await autograd.backward(cid, [y.sum()], mode="smart")
+
+        ts = await atimeit(chain_smart, n_e, 5)
+        emit(impl, f"smart_chain_k{K}_ms", pct(ts, 50) * 1e3, "ms", n=n_e, K=K,
+             how=f"the K={K} chain with backward(mode='smart')")
+
+    async def ps_smart():
+        async with autograd.context() as cid:
+            out = await ag.rpc_async(w1, mod._forward, args=(mod_rref, x))
+            await autograd.backward(cid, [out.square().mean()], mode="smart")
+            await opt.step(cid)
+
+    ts = await atimeit(ps_smart, n_c, 10)
+    emit(impl, "smart_ps_linear1024_iter_median_ms", pct(ts, 50) * 1e3, "ms", n=n_c,
+         how="the parameter-server step with backward(mode='smart')")
+
     # ---- d. empty contexts --------------------------------------------------------
     n_d = 2000 if q else 20000
     for _ in range(500):
@@ -483,6 +519,14 @@ def derived(vals):
                 row["target"] = ("<= " if better == "low" else ">= ") + str(target)
                 row["met"] = ratio <= target if better == "low" else ratio >= target
             rows.append(row)
+    for smart, fast in (("smart_seed_iter_median_ms", "dist_autograd_seed_iter_median_ms"),
+                        *((f"smart_chain_k{k}_ms", f"dist_autograd_chain_k{k}_ms") for k in KS),
+                        ("smart_ps_linear1024_iter_median_ms", "dist_ps_linear1024_iter_median_ms")):
+        s, f = vals.get(("actorgrad", smart)), vals.get(("actorgrad", fast))
+        if s is not None and f:
+            rows.append({"metric": f"smart_over_fast_{fast}", "value": round(s / f, 4), "unit": "x",
+                         "impl": "actorgrad", "how": "SMART / FAST time, every RPC used",
+                         "target": "<= 1.2", "met": s / f <= 1.2})
     for impl in ("actorgrad", *REFS):
         chain = [vals.get((impl, f"dist_autograd_chain_k{k}_ms")) for k in KS]
         plain = [vals.get((impl, f"chain_noautograd_k{k}_ms")) for k in KS]
@@ -553,6 +597,12 @@ def report(rows, show_table=True):
         if target is not None and ours is not None and "met" in ours:
             line += f"{'':{17 * len(refs)}s}   ours {target} {'ok' if ours['met'] else 'NO'}"
         print(line)
+    smart_rows = [r for r in extra if r["metric"].startswith("smart_over_fast_")]
+    if smart_rows:
+        print()
+        for r in smart_rows:
+            name = r["metric"].removeprefix("smart_over_fast_")
+            print(f"{'SMART / FAST ' + name:60s}{r['value']:>8.3g}x   <= 1.2x {'ok' if r['met'] else 'NO'}")
     foreign = [f"{i} {vals[(i, 'phase_foreign_cores')]:.2f}" for i in impls if (i, "phase_foreign_cores") in vals]
     if foreign:
         print(f"\nCPU used by other processes during each phase (cores; noise if > ~0.25): {', '.join(foreign)}")

@@ -7,7 +7,9 @@ large tensor, the tensor itself); decoded events are passed to the worker.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,10 @@ if TYPE_CHECKING:
     from ._worker import Worker
 
 log = logging.getLogger("actorgrad.transport")
+
+# Test-only network latency: every frame leaves this many milliseconds late, in order.
+# For multi-host tests on kernels without the netem qdisc. Never set it in production.
+_TEST_DELAY = float(os.environ.get("ACTORGRAD_TEST_DELAY_MS", "0") or 0) / 1000.0
 
 
 class PeerProtocol(asyncio.BufferedProtocol):
@@ -119,10 +125,32 @@ class PeerProtocol(asyncio.BufferedProtocol):
         if self.transport is None or self.transport.is_closing():
             return
         self.last_sent = time.monotonic()
+        if _TEST_DELAY:
+            self._write_later(pieces)
+            return
         if len(pieces) == 1:
             self.transport.write(pieces[0])
         else:
             self.transport.writelines(pieces)
+
+    def _write_later(self, pieces: list[bytes | bytearray | memoryview]) -> None:
+        """Test-only delay: queue the frame; one timer releases frames in order."""
+        queue = getattr(self, "_delayed", None)
+        if queue is None:
+            queue = self._delayed = collections.deque()
+        queue.append((time.monotonic() + _TEST_DELAY, pieces))
+        if len(queue) == 1:
+            self.worker.loop.call_later(_TEST_DELAY, self._release_delayed)
+
+    def _release_delayed(self) -> None:
+        queue = self._delayed
+        now = time.monotonic()
+        while queue and queue[0][0] <= now + 1e-4:
+            _, pieces = queue.popleft()
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.writelines(pieces)
+        if queue:
+            self.worker.loop.call_later(max(0.0, queue[0][0] - now), self._release_delayed)
 
     async def drain(self) -> None:
         if self._paused and self.is_open:

@@ -73,8 +73,10 @@ def hosts():  # type: ignore[no-untyped-def]
 @pytest.mark.slow
 def test_training_across_three_hosts(hosts) -> None:  # type: ignore[no-untyped-def]
     master = hosts[0][1]
+    # 2 ms of one-way latency on every frame (netem is not available on every kernel)
     env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT="29517", KEY=secrets.token_hex(16),
-               PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+               PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               ACTORGRAD_TEST_DELAY_MS="2")
     procs = []
     try:
         for rank, (ns, address) in enumerate(hosts):
