@@ -135,9 +135,11 @@ class PeerProtocol(asyncio.BufferedProtocol):
 
     def _write_later(self, pieces: list[bytes | bytearray | memoryview]) -> None:
         """Test-only delay: queue the frame; one timer releases frames in order."""
+        queue: collections.deque[tuple[float, list[bytes | bytearray | memoryview]]] | None
         queue = getattr(self, "_delayed", None)
         if queue is None:
-            queue = self._delayed = collections.deque()
+            queue = collections.deque()
+            self._delayed = queue
         queue.append((time.monotonic() + _TEST_DELAY, pieces))
         if len(queue) == 1:
             self.worker.loop.call_later(_TEST_DELAY, self._release_delayed)
