@@ -20,6 +20,7 @@ from ._errors import ActorgradError as ActorgradError
 from ._errors import ActorgradInternalError as ActorgradInternalError
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import CollectiveError as CollectiveError
+from ._errors import CollectiveRankLost as CollectiveRankLost
 from ._errors import ContextError as ContextError
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RemoteError as RemoteError
@@ -61,6 +62,7 @@ __all__ = (
     "ActorgradInternalError",
     "AuthenticationError",
     "CollectiveError",
+    "CollectiveRankLost",
     "ContextError",
     "ProtocolError",
     "RRef",

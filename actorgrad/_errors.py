@@ -84,6 +84,22 @@ class CollectiveError(ActorgradError):
     dtypes across workers, or a participant that is gone."""
 
 
+class CollectiveRankLost(CollectiveError, WorkerLost):
+    """A collective or point-to-point operation failed because a participating rank is
+    gone. Catch it as CollectiveError or as WorkerLost."""
+
+    def __init__(self, message: str, worker: str = "?", reason: str = ""):
+        WorkerLost.__init__(self, worker, reason or message)
+        self.message = message
+        Exception.__init__(self, message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.message, self.worker, self.reason))
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class ActorgradInternalError(ActorgradError):
     """A bug in actorgrad itself; please report it with the traceback."""
 
@@ -97,6 +113,7 @@ for _cls in (
     WorkerLost,
     ContextError,
     CollectiveError,
+    CollectiveRankLost,
     ActorgradInternalError,
 ):
     _cls.__module__ = "actorgrad"

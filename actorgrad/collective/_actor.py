@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CollectiveError
+from .._errors import CollectiveError, CollectiveRankLost
 from ..runtime import Worker, get_worker
 from ..wire import Payload
 from . import _cma, _ops
@@ -150,7 +150,7 @@ class CollectiveActor:
         if self.closed:
             op.fail(CollectiveError(f"{op.what()}: {self.worker.name} is shut down"))
         elif gone:
-            op.fail(CollectiveError(
+            op.fail(CollectiveRankLost(
                 f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
             ))
         else:
@@ -352,7 +352,7 @@ class CollectiveActor:
         if nbytes:
             payload.buffers = [byte_view(work)]
         if dst in self._lost:
-            future.set_exception(CollectiveError(f"send to rank {dst}: the worker is gone ({self._lost[dst]})"))
+            future.set_exception(CollectiveRankLost(f"send to rank {dst}: the worker is gone ({self._lost[dst]})"))
             return future
         try:
             self.worker.tell(dst, P2P_TARGET, payload)
@@ -406,7 +406,7 @@ class CollectiveActor:
                     self._deliver(recv, *message)
                     return future
         if src is not None and src in self._lost:
-            future.set_exception(CollectiveError(f"recv from rank {src}: the worker is gone ({self._lost[src]})"))
+            future.set_exception(CollectiveRankLost(f"recv from rank {src}: the worker is gone ({self._lost[src]})"))
             return future
         if src is None:
             gone = [r for r in group.ranks if r in self._lost]
@@ -491,8 +491,8 @@ class CollectiveActor:
         self._lost[rank] = f"{name}: {reason}"
         for op in list(self._ops.values()):
             if rank in op.members:
-                op.fail(CollectiveError(
-                    f"{op.what()}: rank {rank} ({name}) was lost: {reason}"
+                op.fail(CollectiveRankLost(
+                    f"{op.what()}: rank {rank} ({name}) was lost: {reason}", name, reason
                 ))
         for key, waiters in list(self._p2p_wait.items()):
             for recv in list(waiters):
@@ -503,8 +503,9 @@ class CollectiveActor:
                         recv.timer.cancel()
                     if not recv.future.done():
                         who = "any source" if recv.src is None else f"rank {recv.src}"
-                        recv.future.set_exception(CollectiveError(
-                            f"recv from {who} (tag {key[1]}): rank {rank} ({name}) was lost: {reason}"
+                        recv.future.set_exception(CollectiveRankLost(
+                            f"recv from {who} (tag {key[1]}): rank {rank} ({name}) was lost: {reason}",
+                            name, reason,
                         ))
         for ack_id, (dst, future, timer) in list(self._p2p_acks.items()):
             if dst == rank:
@@ -512,8 +513,9 @@ class CollectiveActor:
                 if timer is not None:
                     timer.cancel()
                 if not future.done():
-                    future.set_exception(CollectiveError(
-                        f"send to rank {rank} ({name}): the worker was lost before receiving: {reason}"
+                    future.set_exception(CollectiveRankLost(
+                        f"send to rank {rank} ({name}): the worker was lost before receiving: {reason}",
+                        name, reason,
                     ))
 
     def close(self) -> None:

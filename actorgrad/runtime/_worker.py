@@ -374,6 +374,11 @@ class Worker:
                 exc = pickle.loads(pickled)
             except Exception:
                 exc = None  # e.g. an exception class whose __init__ needs other arguments
+            if isinstance(exc, (WorkerLost, RpcTimeout)):
+                # a peer of the callee died or timed out: the caller sees the same kind
+                # of error it would for its own peer, and learns who reported it
+                exc.add_note(f"reported by {peer.name}; remote traceback:\n{tb}")
+                return exc
             if isinstance(exc, BaseException):
                 error.__cause__ = exc
         return error

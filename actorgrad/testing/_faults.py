@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from .._errors import CollectiveError, RemoteError, RpcTimeout, WorkerLost
+from .._errors import ActorgradError
 from ..autograd import backward, context, debug_info
 from ..optim import DistributedOptimizer
 from ..rpc import remote, rpc_async
 from ..runtime import RpcOptions
 from ._group import LocalGroup, local_group
 
-# What a survivor may see: the peer is gone, the call timed out, a remote call failed
-# because of it, or a collective that names the lost rank.
-EXPECTED = (WorkerLost, RpcTimeout, RemoteError, CollectiveError)
+# What a survivor must see: the peer is gone (also when another worker reports it, and
+# as CollectiveRankLost in a collective), or the call timed out.
+SURVIVOR_ERRORS = frozenset({"WorkerLost", "RpcTimeout", "CollectiveRankLost"})
 KILL_AFTER = 0.5
 
 
@@ -68,7 +68,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return self.error in {e.__name__ for e in EXPECTED} and self.seconds < 10 \
+        return self.error in SURVIVOR_ERRORS and self.seconds < 10 \
             and self.survivors_clean and self.shutdown_seconds < 15
 
 
@@ -79,7 +79,7 @@ async def _kill_while(group: LocalGroup, work: Awaitable[Any]) -> tuple[str, flo
     killed = time.monotonic()
     try:
         await asyncio.wait_for(task, 20)
-    except EXPECTED as exc:
+    except ActorgradError as exc:  # recorded; only SURVIVOR_ERRORS count as ok
         return type(exc).__name__, time.monotonic() - killed
     except TimeoutError:
         return "hang", time.monotonic() - killed
@@ -165,7 +165,7 @@ async def run_stage(stage: str) -> Outcome:
             try:
                 await busy
                 error = "none"
-            except EXPECTED as exc:
+            except ActorgradError as exc:  # recorded; only SURVIVOR_ERRORS count as ok
                 error = type(exc).__name__
             seconds = time.monotonic() - killed
             await stopping
