@@ -78,6 +78,37 @@ current_context: contextvars.ContextVar[DistContext | None] = contextvars.Contex
 )
 
 
+class RecvRpcBackward(torch.autograd.Function):
+    """Identity, in place: makes a received tensor the output of a recv function.
+
+    The tensor the user gets keeps its identity but gains this grad_fn, so in-place ops
+    on it work as on any computed tensor (as in PyTorch, where received tensors come out
+    of RecvRpcBackward). Its gradient goes to ``anchor``, a leaf sharing the tensor's
+    memory (no copy), which the recv entry records.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, received: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(received)
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+def _as_recv_output(received: torch.Tensor) -> torch.Tensor:
+    """Attach RecvRpcBackward to ``received`` (a leaf that requires grad); return the
+    leaf that now collects its gradient."""
+    if type(received) is not torch.Tensor or not received.is_leaf:
+        return received  # parameters stay leaves: optimizers update them in place
+    anchor = received.detach().requires_grad_()
+    received.requires_grad_(False)
+    with torch.enable_grad():
+        RecvRpcBackward.apply(received, anchor)
+    return anchor
+
+
 @dataclass(slots=True, eq=False)
 class SendEntry:
     """Tensors this worker sent to ``peer``; their gradients come back from it."""
@@ -181,7 +212,7 @@ class ContextActor(CallHooks):
                 return  # a late message for a context released here: nothing to record
             ctx = self.contexts[context_id] = DistContext(context_id)
         ctx.peers.add(src)
-        leaves = [t for t in payload.tensors if t.requires_grad]
+        leaves = [_as_recv_output(t) for t in payload.tensors if t.requires_grad]
         if leaves:
             ctx.recvs[message_id] = RecvEntry(leaves, src)
             for i, leaf in enumerate(leaves):

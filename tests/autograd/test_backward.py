@@ -111,7 +111,8 @@ async def test_seed_example(group2):
     ((l1 + l2) * l4).sum().backward()
     assert_grads(grads, [(t1, l1.grad), (t2, l2.grad), (t4, l4.grad), (t3, None)])
     assert remote_grads == {}  # worker1 has no leaves of its own
-    for t in (t1, t2, t3, t4):
+    assert not t3.is_leaf  # a received tensor comes out of RecvRpcBackward, as in torch
+    for t in (t1, t2, t4):
         assert t.grad is None  # gradients live in the context, never in .grad
     await wait_released(["worker0", "worker1"])
 
@@ -547,13 +548,6 @@ def inplace_on_input(x: torch.Tensor) -> torch.Tensor:
     return x.sin()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: received tensors are leaves (ContextActor.on_receive); in torch they are outputs "
-        "of RecvRpcBackward, so in-place ops on them work"
-    ),
-)
 async def test_inplace_op_on_received_tensor(group2):
     a = rand3()
     async with ag.autograd.context() as context_id:
