@@ -502,29 +502,3 @@ async def _finish(fut: asyncio.Future[Any], async_op: bool, tensors: list[torch.
     await fut
     return None
 
-
-__all__ = [
-    "all_gather",
-    "all_gather_object",
-    "all_reduce",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "destroy_process_group",
-    "gather",
-    "get_backend",
-    "get_global_rank",
-    "get_group_rank",
-    "get_rank",
-    "get_world_size",
-    "init_process_group",
-    "irecv",
-    "is_initialized",
-    "isend",
-    "new_group",
-    "recv",
-    "reduce",
-    "scatter",
-    "send",
-    "start_all_reduce",
-]
