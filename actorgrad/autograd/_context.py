@@ -13,6 +13,7 @@ in the group without coordination.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import contextvars
@@ -58,11 +59,25 @@ class _Reaper:
                     self._thread.start()
                 finally:
                     threading.stack_size(previous)
+                # A daemon thread still freeing tensors when the interpreter finalizes
+                # dies inside torch's destructors and aborts the process: finish first.
+                atexit.register(self.flush)
         self._items.put(item)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything handed over so far has been freed."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._items.put(done)
+        done.wait(timeout)
 
     def _run(self) -> None:
         while True:
             item = self._items.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
             if isinstance(item, DistContext):
                 item.graph_tasks.clear()
                 item.sends.clear()
@@ -254,6 +269,15 @@ class ContextActor(CallHooks):
     def on_release(self, peer: Any, payload: Payload) -> None:
         msg = payload.load()
         self.release(msg.context_id, came_from=peer.rank)
+
+    def close(self) -> None:
+        """The worker shuts down: free every context here before the process may exit."""
+        for context_id in list(self.contexts):
+            ctx = self.contexts.pop(context_id)
+            for handle in ctx.hooked.values():
+                handle.remove()
+            reaper.drop(ctx)
+        reaper.flush()
 
     def debug_info(self) -> dict[str, int]:
         return {
