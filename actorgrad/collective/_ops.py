@@ -186,6 +186,18 @@ class Op:
         self.after: Callable[[], None] | None = None  # run on success before resolving
 
     # -- to be provided by the algorithms -------------------------------------------
+    def send_to_root(self, data: Any) -> None:
+        """Send ``data`` to the root (to everyone when there is none); the other members
+        get only the header, so every rank still checks every other's signature."""
+        root = getattr(self, "root", None)
+        for r in self.members:
+            if r == self.rank:
+                continue
+            if root is None or r == root:
+                self.send(r, K_DATA, sig=True, data=data, protect="clone")
+            else:
+                self.send(r, K_HEADER, sig=True)
+
     def start(self) -> None:
         """Send the first messages."""
 
@@ -391,13 +403,7 @@ class DirectReduce(Op):
         self.receiving = root is None or root == self.rank
 
     def start(self) -> None:
-        for r in self.members:
-            if r == self.rank:
-                continue
-            if self.root is None or r == self.root:
-                self.send(r, K_DATA, sig=True, data=self.t, protect="clone")
-            else:
-                self.send(r, K_HEADER, sig=True)
+        self.send_to_root(self.t)
 
     def on_data(self, src: int, kind: int, a: int, b: int, data: Data) -> None:
         idx = self.members.index(src)
@@ -693,13 +699,7 @@ class Gather(Op):
         self.receiving = root is None or root == self.rank
 
     def start(self) -> None:
-        for r in self.members:
-            if r == self.rank:
-                continue
-            if self.root is None or r == self.root:
-                self.send(r, K_DATA, sig=True, data=self.t, protect="clone")
-            else:
-                self.send(r, K_HEADER, sig=True)
+        self.send_to_root(self.t)
 
     def on_data(self, src: int, kind: int, a: int, b: int, data: Data) -> None:
         assert self.out is not None
