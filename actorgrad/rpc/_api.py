@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -14,6 +15,9 @@ import torch
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..wire import Payload
 from . import _hooks
+from ._inline import InlinePolicy
+
+_perf_counter = time.perf_counter
 
 T = TypeVar("T")
 
@@ -41,7 +45,7 @@ def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor]) -> bool:
     module = getattr(func, "__module__", None) or getattr(getattr(func, "__self__", None), "__name__", "")
     if module not in _INLINE_MODULES:
         return False
-    return sum(t.numel() * t.element_size() for t in tensors) <= _INLINE_MAX_BYTES
+    return _small(tensors)
 
 
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType)
@@ -49,18 +53,38 @@ _INLINE_MODULES = frozenset({"torch", "torch._C._VariableFunctions", "_operator"
 
 
 async def run_user_function(
-    worker: Worker, func: Callable[..., Any], args: Any, kwargs: Any, inline: bool = False
+    worker: Worker, func: Callable[..., Any], args: Any, kwargs: Any, inline: bool = False,
+    policy: InlinePolicy | None = None,
 ) -> Any:
-    """Run a remote function: coroutine functions on the loop, others in the thread pool."""
+    """Run a remote function: coroutine functions on the loop, others in the thread pool
+    (or inline, when ``inline`` says so; ``policy`` learns which may be)."""
     if inspect.iscoroutinefunction(func):
         value = await func(*args, **kwargs)
     elif inline:
-        value = func(*args, **kwargs)
+        value = _call_inline(policy, func, args, kwargs)
     else:
-        value = await worker.run_blocking(lambda: func(*args, **kwargs))
+        job: Callable[[], Any] = lambda: func(*args, **kwargs)  # noqa: E731
+        if policy is not None and policy.learning(code := policy.key(func)):
+            job = policy.timed(code, job)  # type: ignore[arg-type]
+        value = await worker.run_blocking(job)
     if inspect.isawaitable(value):
         value = await value
     return value
+
+
+def _call_inline(policy: InlinePolicy | None, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    code = policy.key(func) if policy is not None else None
+    if code is None:
+        return func(*args, **kwargs)
+    start = _perf_counter()
+    try:
+        return func(*args, **kwargs)
+    finally:
+        policy.inline_run(code, _perf_counter() - start)  # type: ignore[union-attr]
+
+
+def _small(tensors: list[torch.Tensor]) -> bool:
+    return sum(t.numel() * t.element_size() for t in tensors) <= _INLINE_MAX_BYTES
 
 
 def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
@@ -79,25 +103,28 @@ def load_value(worker: Worker, payload: Payload, src: int) -> Any:
     return value
 
 
-def _serve_call(worker: Worker, peer: Any, payload: Payload) -> Any:
+def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payload) -> Any:
     func, args, kwargs, meta = payload.load()
     hooks = _hooks.current()
     hooks.on_receive(worker, meta, payload, peer.rank)
 
     async def run() -> Payload:
         with hooks.scope(worker, meta):
-            value = await run_user_function(worker, func, args, kwargs, inline)
+            value = await run_user_function(worker, func, args, kwargs, inline, policy)
             return dump_value(worker, value, peer.rank)
 
-    inline = runs_inline(func, payload.tensors)
+    inline = runs_inline(func, payload.tensors) or (
+        policy.runs_inline(policy.key(func)) and _small(payload.tensors)
+    )
     if inline and meta is None:  # no autograd context: answer without a task
-        return dump_value(worker, func(*args, **kwargs), peer.rank)
+        return dump_value(worker, _call_inline(policy, func, args, kwargs), peer.rank)
 
     return run()
 
 
 def install_handlers(worker: Worker) -> None:
-    worker.register("rpc.call", lambda peer, payload: _serve_call(worker, peer, payload))
+    policy = InlinePolicy(worker.options.inline_functions)
+    worker.register("rpc.call", lambda peer, payload: _serve_call(worker, policy, peer, payload))
 
 
 def send_request(

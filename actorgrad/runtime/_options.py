@@ -46,6 +46,14 @@ class RpcOptions:
             trusting the peers' certificates); required when ``ssl_context`` is set.
         autograd_mode: default ``mode`` of distributed backward ("fast" or "smart").
         trace: record RPC and backward events for :func:`actorgrad.export_trace`.
+        inline_functions: let remote Python functions that proved fast (and never
+            blocked) run on the callee's event loop instead of its thread pool, which
+            saves a thread hop per call; a run that turns out slow sends the function
+            back to the pool for good. ``False``: always use the pool.
+        spin_us: after sending or receiving, the loop keeps polling instead of
+            sleeping for this many microseconds, so a quick answer is picked up
+            without the cost of waking the process. ``0`` turns polling off; a quiet
+            worker sleeps either way.
     """
 
     rpc_timeout: float = 60.0
@@ -63,10 +71,14 @@ class RpcOptions:
     ssl_client_context: ssl.SSLContext | None = field(default=None, repr=False)
     autograd_mode: str = "fast"
     trace: bool = False
+    inline_functions: bool = True
+    spin_us: int = 500
 
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
+        if self.spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
         if self.num_worker_threads < 1:
             raise ValueError("num_worker_threads must be >= 1")
         if (self.ssl_context is None) != (self.ssl_client_context is None):

@@ -14,6 +14,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+_blocking = threading.local()  # .calls: blocking waits on a worker made by this thread
+
+
+def note_blocking_call() -> None:
+    """Count a blocking wait of this thread on a worker (``rpc_sync`` and friends)."""
+    _blocking.calls = getattr(_blocking, "calls", 0) + 1
+
+
+def blocking_calls() -> int:
+    """How many blocking waits on a worker this thread has made so far."""
+    return getattr(_blocking, "calls", 0)
+
 
 def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: float | None = None) -> T:
     """Run ``start()`` (which returns a future) on the worker's loop and block for it.
@@ -31,6 +43,7 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
     if running is loop:
         return _reenter(loop, start)
     if loop.is_running() and threading.current_thread() is not _loop_thread(loop):
+        note_blocking_call()
         ctx = contextvars.copy_context()
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
 
@@ -88,6 +101,8 @@ def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future
 
 def await_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], timeout: float | None) -> Any:
     """Block a non-loop thread until an asyncio future of ``loop`` is done."""
+    note_blocking_call()
+
     async def wait() -> Any:
         return await asyncio.shield(fut)
     return asyncio.run_coroutine_threadsafe(wait(), loop).result(timeout)

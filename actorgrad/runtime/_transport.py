@@ -24,6 +24,9 @@ log = logging.getLogger("actorgrad.transport")
 # Test-only network latency: every frame leaves this many milliseconds late, in order.
 # For multi-host tests on kernels without the netem qdisc. Never set it in production.
 _TEST_DELAY = float(os.environ.get("ACTORGRAD_TEST_DELAY_MS", "0") or 0) / 1000.0
+# Frames to one peer in one loop iteration that go out one send each before the rest
+# of the burst is corked.
+_BURST_FRAMES = 4
 
 
 class PeerProtocol(asyncio.BufferedProtocol):
@@ -44,6 +47,9 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._handshaking = True  # the Connection may queue frames of its own until done
+        # Small frames are sometimes corked and leave together (see _write).
+        self._corked: list[bytes | bytearray | memoryview] | None = None
+        self._sent_this_tick = 0
         # The event loop calls get_buffer for every read: hand it the Connection's.
         self.get_buffer = self.conn.get_buffer  # type: ignore[method-assign]
 
@@ -60,12 +66,15 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.last_received = time.monotonic()
         conn = self.conn
         conn.buffer_updated(nbytes)
+        worker = self.worker
+        worker.keep_hot()
+        worker.corking += 1  # replies to everything this read brought leave together
         try:
             if self._handshaking:
                 self._handshake_events()
                 return
             next_event = conn.next_event
-            on_message = self.worker.on_message
+            on_message = worker.on_message
             while (event := next_event()) is not None:
                 if event.__class__ is not Heartbeat:
                     on_message(self, event)  # type: ignore[arg-type]  # no Established any more
@@ -73,6 +82,10 @@ class PeerProtocol(asyncio.BufferedProtocol):
                     self.send(Heartbeat(ping=False))  # answer: we are alive
         except (ProtocolError, AuthenticationError) as exc:
             self.abort(exc)
+        finally:
+            worker.corking -= 1
+            if not worker.corking:
+                worker.flush_corked()
 
     def _handshake_events(self) -> None:
         conn = self.conn
@@ -122,16 +135,51 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self._write(self.conn.send(msg))
 
     def _write(self, pieces: list[bytes | bytearray | memoryview]) -> None:
-        if self.transport is None or self.transport.is_closing():
+        """Send one frame, or cork it to leave with others in one ``send``.
+
+        The kernel's cost per ``send`` on loopback exceeds the Python work of a small
+        call, so small frames (one piece) are corked in two cases: while the worker
+        handles what one read brought (``worker.corking``; flushed before control goes
+        back to the loop), and in a burst, past the first few frames written to this
+        peer in one loop iteration (a thousand ``rpc_async`` calls issued at once;
+        flushed at the end of the iteration). Any other frame goes out at once, as
+        the API promises, after whatever is corked, so frames never reorder.
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
         self.last_sent = time.monotonic()
+        self.worker.keep_hot()
         if _TEST_DELAY:
             self._write_later(pieces)
             return
         if len(pieces) == 1:
-            self.transport.write(pieces[0])
-        else:
-            self.transport.writelines(pieces)
+            if self._corked is not None:
+                self._corked.append(pieces[0])
+                return
+            if self.worker.corking or self._sent_this_tick >= _BURST_FRAMES:
+                self._corked = pieces
+                self.worker.corked_peers.append(self)
+                if not self.worker.corking:
+                    self.worker.loop.call_soon(self.worker.flush_corked)
+                return
+            if not self._sent_this_tick:
+                self.worker.loop.call_soon(self._end_tick)
+            self._sent_this_tick += 1
+            transport.write(pieces[0])
+            return
+        self.flush()
+        transport.writelines(pieces)
+
+    def _end_tick(self) -> None:
+        self._sent_this_tick = 0
+
+    def flush(self) -> None:
+        """Hand the corked frames to the transport now."""
+        corked, self._corked = self._corked, None
+        if corked is None or self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
 
     def _write_later(self, pieces: list[bytes | bytearray | memoryview]) -> None:
         """Test-only delay: queue the frame; one timer releases frames in order."""
@@ -155,6 +203,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
             self.worker.loop.call_later(max(0.0, queue[0][0] - now), self._release_delayed)
 
     async def drain(self) -> None:
+        self.flush()
         if self._paused and self.is_open:
             waiter: asyncio.Future[None] = self.worker.loop.create_future()
             self._drain_waiters.append(waiter)
@@ -172,6 +221,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         if self.transport is not None:
+            self.flush()
             self.transport.close()
 
 
@@ -192,6 +242,7 @@ class LoopbackPeer:
         self.serving: dict[int, asyncio.Task[None]] = {}
         self.leaving = False
         self.last_received = self.last_sent = time.monotonic()
+        self.flush = lambda: None
         self._decoder = FrameDecoder(max_frame_size=DEFAULT_MAX_FRAME_SIZE)
         self._decode = decode_frame
 

@@ -1,0 +1,114 @@
+"""Which remote functions run on the event loop thread itself.
+
+A remote Python function normally runs on the worker's thread pool, so one that blocks
+(sleeps, waits on a lock, calls another worker with ``rpc_sync``) never stalls the
+loop, its heartbeats or other peers' calls. The hop costs two thread wake-ups and a
+GIL hand-over, several times the cost of a small function itself.
+
+# Rules
+- torch and ``operator`` builtins on small tensors always run inline (see
+  ``runs_inline`` in ``_api``): they cannot block.
+- A plain Python function is *learned*: its first ``PROMOTE_AFTER`` runs go to the
+  pool and are timed there. When every one of them finished within ``FAST_SECONDS``
+  and none made a blocking call into the worker (``rpc_sync`` and friends, which a
+  loop-thread caller could not make), later calls with small tensor arguments run
+  inline.
+- Every inline run of a learned function is timed; one that takes longer than
+  ``DEMOTE_SECONDS`` sends that function back to the pool for good.
+- Functions are known by their code object, so a lambda or ``__main__`` function that
+  arrives by value on every call is recognised too. actorgrad's own helpers (the RRef
+  method proxy, which runs arbitrary methods) are never learned.
+
+The worst case is one long stall of the loop by a function that was fast many times
+and then blocks; ``RpcOptions(inline_functions=False)`` turns learning off.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+from ..runtime._sync import blocking_calls
+
+PROMOTE_AFTER = 8
+FAST_SECONDS = 50e-6
+DEMOTE_SECONDS = 2e-3
+_MAX_TRACKED = 4096
+
+_FunctionType = types.FunctionType
+_perf_counter = time.perf_counter
+
+
+class InlinePolicy:
+    """Per-worker record of which learned functions run inline."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._fast_runs: dict[types.CodeType, int] = {}  # pool runs so far, all fast
+        self._inline: set[types.CodeType] = set()
+        self._never: set[types.CodeType] = set()
+
+    @staticmethod
+    def key(func: Callable[..., Any]) -> types.CodeType | None:
+        """The code object a function is learned by, or None when it is not learnable."""
+        if type(func) is not _FunctionType:
+            return None
+        module = func.__module__ or ""
+        if module == "actorgrad" or module.startswith("actorgrad."):
+            return None
+        return func.__code__
+
+    def runs_inline(self, code: types.CodeType | None) -> bool:
+        return code is not None and code in self._inline
+
+    def learning(self, code: types.CodeType | None) -> bool:
+        """Whether pool runs of this function should be timed."""
+        return (
+            self.enabled and code is not None and code not in self._never
+            and code not in self._inline
+        )
+
+    def timed(self, code: types.CodeType, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Wrap a pool job of a function being learned so that it reports its run."""
+
+        def job() -> Any:
+            before = blocking_calls()
+            start = _perf_counter()
+            try:
+                return fn()
+            finally:
+                elapsed = _perf_counter() - start
+                # set from the pool thread: plain dict/set operations, atomic under the GIL
+                self._pool_run(code, elapsed, blocking_calls() != before)
+
+        return job
+
+    def _pool_run(self, code: types.CodeType, elapsed: float, blocked: bool) -> None:
+        if blocked or elapsed > FAST_SECONDS:
+            self._forget(code)
+            if len(self._never) < _MAX_TRACKED:
+                self._never.add(code)
+            return
+        runs = self._fast_runs.get(code, 0) + 1
+        if runs < PROMOTE_AFTER:
+            if len(self._fast_runs) < _MAX_TRACKED:
+                self._fast_runs[code] = runs
+            return
+        self._fast_runs.pop(code, None)
+        if len(self._inline) < _MAX_TRACKED:
+            self._inline.add(code)
+
+    def inline_run(self, code: types.CodeType, elapsed: float) -> None:
+        """An inline run took ``elapsed`` seconds; a slow one ends inlining for good."""
+        if elapsed > DEMOTE_SECONDS:
+            self._forget(code)
+            self._never.add(code)
+
+    def _forget(self, code: types.CodeType) -> None:
+        self._fast_runs.pop(code, None)
+        self._inline.discard(code)
+
+
+__all__ = ["InlinePolicy"]

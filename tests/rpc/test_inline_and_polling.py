@@ -1,0 +1,122 @@
+"""Where remote Python functions run (pool or loop thread) and the loop's brief polling.
+
+A function is observed running by recording the thread it ran on: pool threads are
+named ``actorgrad-<worker>-<n>``; the event loop runs on this test's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+import actorgrad as ag
+from actorgrad.rpc._inline import DEMOTE_SECONDS, PROMOTE_AFTER
+
+
+def thread_name(x: object = None) -> str:
+    return threading.current_thread().name
+
+
+def fast_then_slow(sleep: float) -> str:
+    if sleep:
+        time.sleep(sleep)
+    return threading.current_thread().name
+
+
+def calls_worker_blocking() -> str:
+    ag.rpc_sync("worker0", torch.add, args=(torch.ones(1), 1))
+    return threading.current_thread().name
+
+
+def sleeps_a_little() -> str:
+    time.sleep(0.001)
+    return threading.current_thread().name
+
+
+def on_pool(name: str) -> bool:
+    return name.startswith("actorgrad-")
+
+
+async def call_n(fn: object, n: int, *args: object) -> list[str]:
+    return [await ag.rpc_async("worker1", fn, args=args) for _ in range(n)]  # type: ignore[arg-type]
+
+
+async def test_fast_function_moves_to_the_loop_after_learning(group2):
+    names = await call_n(thread_name, PROMOTE_AFTER + 4)
+    assert all(on_pool(n) for n in names[:PROMOTE_AFTER])
+    assert names[-1] == threading.current_thread().name  # the loop's thread
+
+
+async def test_inline_run_keeps_big_arguments_on_the_pool(group2):
+    await call_n(thread_name, PROMOTE_AFTER + 1)
+    big = torch.zeros(1 << 20)  # 4 MiB of arguments: not a quick call
+    assert on_pool(await ag.rpc_async("worker1", thread_name, args=(big,)))
+
+
+async def test_lambda_sent_by_value_is_learned_by_its_code(group2):
+    names = await call_n(lambda: threading.current_thread().name, PROMOTE_AFTER + 2)
+    assert on_pool(names[0]) and not on_pool(names[-1])
+
+
+async def test_function_that_blocks_on_a_worker_is_never_inlined(group2):
+    names = await call_n(calls_worker_blocking, PROMOTE_AFTER + 4)
+    assert all(on_pool(n) for n in names)
+
+
+async def test_slow_function_is_never_inlined(group2):
+    names = await call_n(sleeps_a_little, PROMOTE_AFTER + 4)
+    assert all(on_pool(n) for n in names)
+
+
+async def test_slow_inline_run_sends_the_function_back_to_the_pool(group2):
+    names = await call_n(fast_then_slow, PROMOTE_AFTER + 1, 0.0)
+    assert not on_pool(names[-1])
+    # one slow run on the loop (the price of learning), then the pool for good
+    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(DEMOTE_SECONDS * 3,)))
+    after = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
+    assert all(on_pool(n) for n in after)
+
+
+async def test_inlining_can_be_turned_off(make_group):
+    await make_group(2, ag.RpcOptions(inline_functions=False))
+    names = await call_n(thread_name, PROMOTE_AFTER + 4)
+    assert all(on_pool(n) for n in names)
+
+
+async def test_inlined_function_errors_reach_the_caller(group2):
+    await call_n(fast_then_slow, PROMOTE_AFTER + 1, 0.0)
+    try:
+        await ag.rpc_async("worker1", fast_then_slow, args=("not a number",))
+    except ag.RemoteError as exc:
+        assert exc.remote_type == "TypeError"
+    else:
+        raise AssertionError("the remote TypeError did not reach the caller")
+
+
+async def test_idle_workers_stop_polling(group2):
+    for _ in range(200):
+        await ag.rpc_async("worker1", torch.add, args=(torch.ones(1), 1))
+    await asyncio.sleep(0.05)  # well past the polling window
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    await asyncio.sleep(0.5)
+    busy = (time.process_time() - cpu_before) / (time.monotonic() - wall_before)
+    assert busy < 0.1, f"two idle workers used {busy:.2f} of a core"
+
+
+async def test_polling_can_be_turned_off(make_group):
+    with_polling = ag.RpcOptions(spin_us=0)
+    await make_group(2, with_polling)
+    result = await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+    assert torch.equal(result, torch.full((2,), 2.0))
+
+
+def test_negative_polling_window_is_refused():
+    try:
+        ag.RpcOptions(spin_us=-1)
+    except ValueError as exc:
+        assert "spin_us" in str(exc)
+    else:
+        raise AssertionError("spin_us=-1 was accepted")
