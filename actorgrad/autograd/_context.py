@@ -35,6 +35,7 @@ from ._messages import ReleaseContext
 _ID_BITS = 48
 _RELEASED_MEMORY = 100_000  # ids of released contexts remembered, to ignore late messages
 _REAPER_STACK = 512 << 20
+SMALL_PLAN_NODES = 256  # contexts whose backward plans are at most this big are freed inline
 
 
 class _Reaper:
@@ -79,11 +80,29 @@ class _Reaper:
                 item.set()
                 continue
             if isinstance(item, DistContext):
-                item.graph_tasks.clear()
-                item.sends.clear()
-                item.recvs.clear()
-                item.grads.clear()
+                _clear(item)
             del item
+
+
+def _clear(ctx: DistContext) -> None:
+    ctx.graph_tasks.clear()
+    ctx.sends.clear()
+    ctx.recvs.clear()
+    ctx.grads.clear()
+
+
+def _small_graph(ctx: DistContext) -> bool:
+    """Whether freeing ``ctx`` here cannot recurse deeply.
+
+    Deep recursion comes from graphs whose nodes a backward plan walked from Python;
+    a plan small enough to be made on the loop bounds that walk. A context without a
+    backward holds a forward graph torch frees iteratively, as for any user tensor.
+    """
+    for task in ctx.graph_tasks.values():
+        plan = task.plan
+        if plan is None or len(plan.indegree) > SMALL_PLAN_NODES:
+            return False
+    return True
 
 
 reaper = _Reaper()
@@ -258,7 +277,12 @@ class ContextActor(CallHooks):
         for handle in ctx.hooked.values():
             handle.remove()
         ctx.hooked.clear()
-        reaper.drop(ctx)
+        if _small_graph(ctx):
+            # freed right here: a hand-over to the reaper thread costs more, and that
+            # thread holding the GIL while it frees delays this loop by milliseconds
+            _clear(ctx)
+        else:
+            reaper.drop(ctx)
         peers = ctx.peers - {came_from, self.worker.rank}
         if peers:
             message = Payload.dump(ReleaseContext(context_id=context_id))

@@ -236,6 +236,10 @@ class _Unpickler(pickle.Unpickler):
         if is_param:
             tensor = torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
         elif requires_grad:
+            if tensor._is_view():
+                # same memory, but no view of the buffer: autograd would otherwise
+                # record in-place ops on it (a recv function) as CopySlices on the base
+                tensor = tensor.detach()
             tensor.requires_grad_(True)
         self.tensors.append(tensor)
         return tensor

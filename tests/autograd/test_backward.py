@@ -112,6 +112,7 @@ async def test_seed_example(group2):
     assert_grads(grads, [(t1, l1.grad), (t2, l2.grad), (t4, l4.grad), (t3, None)])
     assert remote_grads == {}  # worker1 has no leaves of its own
     assert not t3.is_leaf  # a received tensor comes out of RecvRpcBackward, as in torch
+    assert type(t3.grad_fn).__name__.startswith("RecvRpcBackward")  # directly, no view nodes
     for t in (t1, t2, t4):
         assert t.grad is None  # gradients live in the context, never in .grad
     await wait_released(["worker0", "worker1"])

@@ -240,6 +240,9 @@ def test_requires_grad_leaf():
     assert gx.requires_grad and gx.is_leaf and gx.grad_fn is None and type(gx) is torch.Tensor
     assert gn.requires_grad and gn.is_leaf and gn.grad_fn is None
     assert not gf.requires_grad
+    # not views of the frame buffer: autograd would record in-place ops on a view of a
+    # buffer as CopySlices on the base instead of on the tensor itself
+    assert not gx._is_view() and not gn._is_view()
     assert torch.equal(gx.detach(), x.detach()) and torch.equal(gn.detach(), nonleaf.detach())
     gx.sum().backward()  # a usable leaf
     assert torch.equal(gx.grad, torch.ones(3, 4))
