@@ -128,40 +128,24 @@ def install_handlers(worker: Worker) -> None:
 
 
 def send_request(
-    worker: Worker, to: PeerRef, target: str, obj_without_meta: tuple[Any, ...], timeout: float | None
-) -> tuple[int, asyncio.Future[Payload]]:
-    """Pickle ``(*obj, meta)``, record it for autograd, send it; returns (dst, future)."""
+    worker: Worker, to: PeerRef, target: str, obj_without_meta: tuple[Any, ...], timeout: float | None,
+    decode: Callable[[Payload], Any] | None = None,
+) -> tuple[int, asyncio.Future[Any]]:
+    """Pickle ``(*obj, meta)``, record it for autograd, send it; returns (dst, future).
+
+    The future resolves with the reply payload, or with ``decode(payload)``."""
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
     payload = Payload.dump((*obj_without_meta, meta))
     hooks.after_send(worker, meta, payload, dst)
-    return dst, worker.call(dst, target, payload, timeout)
+    return dst, worker.call(dst, target, payload, timeout, decode)
 
 
-def _then_load(worker: Worker, reply: asyncio.Future[Payload], src: int) -> asyncio.Future[Any]:
-    result: asyncio.Future[Any] = worker.loop.create_future()
-
-    def done(fut: asyncio.Future[Payload]) -> None:
-        if result.cancelled():
-            return
-        if fut.cancelled():
-            result.cancel()
-        elif (exc := fut.exception()) is not None:
-            result.set_exception(exc)
-        else:
-            try:
-                result.set_result(load_value(worker, fut.result(), src))
-            except Exception as load_exc:
-                result.set_exception(load_exc)
-
-    def propagate_cancel(res: asyncio.Future[Any]) -> None:
-        if res.cancelled() and not reply.done():
-            reply.cancel()
-
-    reply.add_done_callback(done)
-    result.add_done_callback(propagate_cancel)
-    return result
+def value_decoder(worker: Worker, to: PeerRef) -> Callable[[Payload], Any]:
+    """``decode`` for :func:`send_request`: the value a peer's :func:`dump_value` sent."""
+    src = worker.resolve(to).id
+    return lambda payload: load_value(worker, payload, src)
 
 
 def rpc_async(
@@ -191,8 +175,9 @@ def rpc_async(
         raise RuntimeError(
             "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
         )
-    dst, reply = send_request(worker, to, "rpc.call", (func, tuple(args), dict(kwargs or {})), timeout)
-    return _then_load(worker, reply, dst)
+    _, reply = send_request(worker, to, "rpc.call", (func, tuple(args), dict(kwargs or {})), timeout,
+                            value_decoder(worker, to))
+    return reply
 
 
 def rpc_sync(

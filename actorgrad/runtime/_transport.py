@@ -27,6 +27,9 @@ _TEST_DELAY = float(os.environ.get("ACTORGRAD_TEST_DELAY_MS", "0") or 0) / 1000.
 # Frames to one peer in one loop iteration that go out one send each before the rest
 # of the burst is corked.
 _BURST_FRAMES = 4
+# Corked frames that leave together at most: a long burst goes out in slices, so the
+# peer works on one slice while this side produces the next.
+_CORK_MAX_FRAMES = 32
 
 
 class PeerProtocol(asyncio.BufferedProtocol):
@@ -156,6 +159,8 @@ class PeerProtocol(asyncio.BufferedProtocol):
         if len(pieces) == 1:
             if self._corked is not None:
                 self._corked.append(pieces[0])
+                if len(self._corked) >= _CORK_MAX_FRAMES:
+                    self.flush()  # the peer starts on these while we produce the rest
                 return
             if self.worker.corking or self._sent_this_tick >= _BURST_FRAMES:
                 self._corked = pieces

@@ -45,6 +45,7 @@ from ..wire import (
     Tell,
 )
 from . import _current
+from ._calls import CallFuture, PendingCalls
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
@@ -90,12 +91,12 @@ class Worker:
         self.auth_key: bytes | None = key.encode() if isinstance(key, str) else (key or None)
         self.loop = asyncio.get_running_loop()
         self.infos: dict[int, WorkerInfo] = {}
+        self._by_name: dict[str, WorkerInfo] = {}  # filled as names are looked up
         self.peers: dict[int, PeerProtocol] = {}
         self.closed = False
         self.shutting_down = False
         self._handlers: dict[str, Handler] = {}
-        self._pending: dict[int, tuple[asyncio.Future[Payload], PeerProtocol]] = {}
-        self._next_request = 1
+        self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
         self._server: asyncio.Server | None = None
         self._store: Store | None = None
         self._store_server: StoreServer | None = None
@@ -138,8 +139,12 @@ class Worker:
             if info is None:
                 raise ValueError(f"no worker with rank {to} (world size {self.world_size})")
             return info
+        info = self._by_name.get(to)
+        if info is not None:
+            return info
         for info in self.infos.values():
             if info.name == to:
+                self._by_name[to] = info
                 return info
         known = ", ".join(sorted(i.name for i in self.infos.values()))
         raise ValueError(f"unknown worker name {to!r}; the group has: {known}")
@@ -309,13 +314,10 @@ class Worker:
             if isinstance(msg, Call):
                 self._serve_call(peer, msg)
             elif isinstance(msg, Result):
-                entry = self._pending.pop(msg.request_id, None)
-                if entry is not None and not entry[0].done():
-                    entry[0].set_result(msg.payload)
+                self._pending.resolve(msg.request_id, msg.payload)
             elif isinstance(msg, Failure):
-                entry = self._pending.pop(msg.request_id, None)
-                if entry is not None and not entry[0].done():
-                    entry[0].set_exception(self._remote_error(peer, msg.payload))
+                if msg.request_id in self._pending.futures:
+                    self._pending.fail(msg.request_id, self._remote_error(peer, msg.payload))
             elif isinstance(msg, Tell):
                 self._serve_tell(peer, msg)
             elif isinstance(msg, Cancel):
@@ -428,50 +430,44 @@ class Worker:
             raise WorkerLost(info.name, "no open connection (the worker is gone)")
         return proto
 
-    def call(self, to: PeerRef, target: str, payload: Payload, timeout: float | None = None) -> asyncio.Future[Payload]:
-        """Send a request now; the future resolves with the reply payload.
+    def call(
+        self, to: PeerRef, target: str, payload: Payload, timeout: float | None = None,
+        decode: Callable[[Payload], Any] | None = None,
+    ) -> asyncio.Future[Any]:
+        """Send a request now; the future resolves with the reply payload, or with
+        ``decode(payload)`` when ``decode`` is given (its exception, if it raises).
 
         Fails with RpcTimeout after ``timeout`` (default ``rpc_timeout``; 0: none), with
         WorkerLost when the peer goes away, with RemoteError when the handler raised.
+        Cancelling the future tells the callee to drop the work.
         """
         if self.closed:
             raise RuntimeError(f"{self.name} is shut down")
         peer = self.peer(to)
-        request_id = self._next_request
-        self._next_request += 1
-        future: asyncio.Future[Payload] = self.loop.create_future()
-        self._pending[request_id] = (future, peer)
-        peer.outstanding.add(request_id)
         limit = self.options.rpc_timeout if timeout is None else timeout
-        timer = self.loop.call_later(limit, self._expire, request_id, limit) if limit > 0 else None
-
-        start = now_us() if self.tracer.enabled else 0.0
-
-        def done(fut: asyncio.Future[Payload]) -> None:
-            if start:
-                self.tracer.complete(f"call {target}", "rpc", start,
-                                     {"to": peer.name, "request": request_id,
-                                      "bytes": payload.nbytes})
-            if timer is not None:
-                timer.cancel()
-            peer.outstanding.discard(request_id)
-            if self._pending.pop(request_id, None) is not None and fut.cancelled():
-                with contextlib.suppress(Exception):
-                    peer.send(Cancel(request_id=request_id))
-
-        future.add_done_callback(done)
-        peer.send(Call(request_id=request_id, target=target, payload=payload))
+        future = self._pending.add(peer, decode, limit)
+        if self.tracer.enabled:
+            self._trace_call(future, target, payload)
+        peer.send(Call(request_id=future.request_id, target=target, payload=payload))
         return future
 
-    def _expire(self, request_id: int, limit: float) -> None:
-        entry = self._pending.pop(request_id, None)
-        if entry is None:
-            return
-        future, peer = entry
-        if not future.done():
-            future.set_exception(RpcTimeout(f"call to {peer.name} timed out after {limit}s"))
+    def _trace_call(self, future: CallFuture, target: str, payload: Payload) -> None:
+        start = now_us()
+        peer, request_id = future.peer, future.request_id
+
+        def done(_: asyncio.Future[Any]) -> None:
+            self.tracer.complete(f"call {target}", "rpc", start,
+                                 {"to": peer.name, "request": request_id, "bytes": payload.nbytes})
+
+        future.add_done_callback(done)
+
+    def _call_cancelled(self, future: CallFuture) -> None:
         with contextlib.suppress(Exception):
-            peer.send(Cancel(request_id=request_id))
+            future.peer.send(Cancel(request_id=future.request_id))
+
+    def _call_expired(self, future: CallFuture, limit: float) -> None:
+        future.set_exception(RpcTimeout(f"call to {future.peer.name} timed out after {limit}s"))
+        self._call_cancelled(future)
 
     def tell(self, to: PeerRef, target: str, payload: Payload) -> None:
         """Send a one-way message; raises WorkerLost when the peer is gone."""
@@ -497,9 +493,7 @@ class Worker:
             reason = f"{reason} (worker shut down)"
         error = WorkerLost(name, reason)
         for request_id in list(proto.outstanding):
-            entry = self._pending.pop(request_id, None)
-            if entry is not None and not entry[0].done():
-                entry[0].set_exception(error)
+            self._pending.fail(request_id, error)
         proto.outstanding.clear()
         for task in proto.serving.values():
             task.cancel()
@@ -566,7 +560,7 @@ class Worker:
             gc.collect()  # dropped RRefs announce themselves before we leave
             await asyncio.sleep(0)
             while self._pending and time.monotonic() < deadline:
-                futures = [f for f, _ in self._pending.values()]
+                futures = list(self._pending.futures.values())
                 await asyncio.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
             for peer in list(self.peers.values()):
                 with contextlib.suppress(Exception):
@@ -590,10 +584,9 @@ class Worker:
         _current.unregister(self)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-        for future, peer in list(self._pending.values()):
-            if not future.done():
-                future.set_exception(WorkerLost(peer.name or "?", f"{self.name} shut down"))
-        self._pending.clear()
+        for request_id, future in list(self._pending.futures.items()):
+            self._pending.fail(request_id, WorkerLost(future.peer.name or "?", f"{self.name} shut down"))
+        self._pending.close()
         for proto in list(self._connections) + list(self.peers.values()):
             for task in proto.serving.values():
                 task.cancel()

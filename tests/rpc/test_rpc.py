@@ -450,6 +450,41 @@ async def test_timeout_cancels_async_callee(group2):
     assert tag in CANCELLED
 
 
+async def test_cancelling_the_future_cancels_the_callee(group2):
+    tag = f"user-cancel-{time.monotonic()}"
+    fut = ag.rpc_async("worker1", wait_to_be_cancelled, args=(tag,))
+    await asyncio.sleep(0.05)  # running on worker1
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(fut, 0.05)  # wait_for cancels the call's future
+    assert fut.cancelled()
+    for _ in range(150):  # up to 3 s
+        if tag in CANCELLED:
+            break
+        await asyncio.sleep(0.02)
+    assert tag in CANCELLED
+    assert await ag.rpc_async("worker1", square, args=(3,)) == 9
+
+
+async def test_mixed_timeouts_expire_in_deadline_order(group2):
+    started = time.monotonic()
+    limits = [0.6, 0.2, 0.0, 0.4, 60.0]  # 0: no limit
+    futures = [ag.rpc_async("worker1", sleep_then, args=(0.8, "done"), timeout=t) for t in limits]
+    when: dict[float, float] = {}
+
+    async def watch(limit: float, fut: asyncio.Future) -> object:
+        try:
+            return await fut
+        except ag.RpcTimeout:
+            when[limit] = time.monotonic() - started
+            return "timeout"
+
+    outcome = await asyncio.gather(*(watch(t, f) for t, f in zip(limits, futures)))
+    assert outcome == ["timeout", "timeout", "done", "timeout", "done"]
+    assert when[0.2] < when[0.4] < when[0.6]
+    for limit, elapsed in when.items():
+        assert limit - 0.05 <= elapsed < limit + 0.5
+
+
 async def test_blocking_builtin_respects_timeout(group2):
     start = time.monotonic()
     with pytest.raises(ag.RpcTimeout):

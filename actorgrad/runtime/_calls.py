@@ -1,0 +1,147 @@
+"""The requests a worker waits on: one future per call, resolved where the reply lands.
+
+# Theory of operation
+Each call gets a :class:`CallFuture` keyed by its request id. The reply is decoded
+(``decode(payload)``, e.g. unpickling an RPC result) and set on that same future right
+in the message handler: no second future, no done-callback and no extra loop turn per
+call. Cancelling the future (``asyncio.wait_for``, a cancelled task, ``gather``) is
+noticed by its ``cancel`` method, which tells the worker to send the callee a CANCEL.
+
+Timeouts share one timer: deadlines go into a heap and the timer fires at the
+earliest one. Most calls use the default timeout, so a new deadline is rarely the
+earliest and the timer is rarely moved. Entries of calls that completed stay in the
+heap until they surface (or until the heap is rebuilt when it has grown well past the
+number of calls still pending).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..wire import Payload
+    from ._transport import PeerProtocol
+
+_REBUILD_SLACK = 1024  # stale heap entries tolerated beyond twice the pending calls
+
+
+class CallFuture(asyncio.Future[Any]):
+    """The future of one outstanding call; cancelling it cancels the remote work."""
+
+    # set right after construction by PendingCalls.add
+    request_id: int
+    peer: PeerProtocol
+    decode: Callable[[Payload], Any] | None
+    table: PendingCalls
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self.table.cancelled(self)
+        return True
+
+
+class PendingCalls:
+    """Outstanding calls of one worker, by request id, with their deadlines."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_cancel: Callable[[CallFuture], None],
+        on_expire: Callable[[CallFuture, float], None],
+    ) -> None:
+        self.loop = loop
+        self.futures: dict[int, CallFuture] = {}
+        self._on_cancel = on_cancel  # the caller gave up: tell the callee
+        self._on_expire = on_expire  # the deadline passed: fail the call, tell the callee
+        self._next_id = 1
+        self._deadlines: list[tuple[float, int, float]] = []  # (when, request id, limit)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    def __len__(self) -> int:
+        return len(self.futures)
+
+    def add(self, peer: PeerProtocol, decode: Callable[[Payload], Any] | None, limit: float) -> CallFuture:
+        """A new call to ``peer`` failing after ``limit`` seconds (0: never)."""
+        request_id = self._next_id
+        self._next_id += 1
+        future = CallFuture(loop=self.loop)
+        future.request_id = request_id
+        future.peer = peer
+        future.decode = decode
+        future.table = self
+        self.futures[request_id] = future
+        peer.outstanding.add(request_id)
+        if limit > 0:
+            self._add_deadline(self.loop.time() + limit, request_id, limit)
+        return future
+
+    def pop(self, request_id: int) -> CallFuture | None:
+        """Forget the call (it is answered, failed or abandoned); None if unknown."""
+        future = self.futures.pop(request_id, None)
+        if future is not None:
+            future.peer.outstanding.discard(request_id)
+        return future
+
+    def resolve(self, request_id: int, payload: Payload) -> None:
+        """The reply arrived: set the decoded value (or the decoding error)."""
+        future = self.pop(request_id)
+        if future is None or future.done():
+            return
+        decode = future.decode
+        if decode is None:
+            future.set_result(payload)
+            return
+        try:
+            value = decode(payload)
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+
+    def fail(self, request_id: int, error: BaseException) -> None:
+        future = self.pop(request_id)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+    def cancelled(self, future: CallFuture) -> None:
+        if self.pop(future.request_id) is not None:
+            self._on_cancel(future)
+
+    # -- deadlines ----------------------------------------------------------------
+    def _add_deadline(self, when: float, request_id: int, limit: float) -> None:
+        deadlines = self._deadlines
+        if len(deadlines) > 2 * len(self.futures) + _REBUILD_SLACK:
+            deadlines[:] = [d for d in deadlines if d[1] in self.futures]
+            heapq.heapify(deadlines)
+        heapq.heappush(deadlines, (when, request_id, limit))
+        if when < self._timer_at:
+            self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_at(when, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        deadlines, futures = self._deadlines, self.futures
+        now = self.loop.time()
+        while deadlines and (deadlines[0][0] <= now or deadlines[0][1] not in futures):
+            _, request_id, limit = heapq.heappop(deadlines)
+            future = self.pop(request_id)
+            if future is not None and not future.done():
+                self._on_expire(future, limit)
+        if deadlines:
+            self._arm(deadlines[0][0])
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._deadlines.clear()
