@@ -8,13 +8,15 @@ GIL hand-over, several times the cost of a small function itself.
 # Rules
 - torch and ``operator`` builtins on small tensors always run inline (see
   ``runs_inline`` in ``_api``): they cannot block.
-- A plain Python function is *learned*: its first ``PROMOTE_AFTER`` runs go to the
-  pool and are timed there. When every one of them finished within ``FAST_SECONDS``
-  and none made a blocking call into the worker (``rpc_sync`` and friends, which a
-  loop-thread caller could not make), later calls with small tensor arguments run
-  inline.
+- A plain Python function is *learned*: its runs go to the pool and are timed there.
+  After ``PROMOTE_AFTER`` runs within ``FAST_SECONDS``, later calls with small tensor
+  arguments run inline. A run slower than ``SLOW_SECONDS``, or one that made a
+  blocking call into a worker (``rpc_sync`` and friends, which a loop-thread caller
+  could not make), keeps the function on the pool for good. Runs in between count
+  for nothing: a pool run's wall time includes waiting for the GIL under load, and
+  a first run pays for cold caches.
 - Every inline run of a learned function is timed; one that takes longer than
-  ``DEMOTE_SECONDS`` sends that function back to the pool for good.
+  ``SLOW_SECONDS`` sends that function back to the pool for good.
 - Functions are known by their code object, so a lambda or ``__main__`` function that
   arrives by value on every call is recognised too. actorgrad's own helpers (the RRef
   method proxy, which runs arbitrary methods) are never learned.
@@ -34,7 +36,7 @@ from ..runtime._sync import blocking_calls
 
 PROMOTE_AFTER = 8
 FAST_SECONDS = 50e-6
-DEMOTE_SECONDS = 2e-3
+SLOW_SECONDS = 1e-3
 _MAX_TRACKED = 4096
 
 _FunctionType = types.FunctionType
@@ -86,10 +88,12 @@ class InlinePolicy:
         return job
 
     def _pool_run(self, code: types.CodeType, elapsed: float, blocked: bool) -> None:
-        if blocked or elapsed > FAST_SECONDS:
+        if blocked or elapsed > SLOW_SECONDS:
             self._forget(code)
             if len(self._never) < _MAX_TRACKED:
                 self._never.add(code)
+            return
+        if elapsed > FAST_SECONDS:
             return
         runs = self._fast_runs.get(code, 0) + 1
         if runs < PROMOTE_AFTER:
@@ -102,7 +106,7 @@ class InlinePolicy:
 
     def inline_run(self, code: types.CodeType, elapsed: float) -> None:
         """An inline run took ``elapsed`` seconds; a slow one ends inlining for good."""
-        if elapsed > DEMOTE_SECONDS:
+        if elapsed > SLOW_SECONDS:
             self._forget(code)
             self._never.add(code)
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 import actorgrad as ag
-from actorgrad.rpc._inline import DEMOTE_SECONDS, PROMOTE_AFTER
+from actorgrad.rpc._inline import SLOW_SECONDS, PROMOTE_AFTER
 
 
 def thread_name(x: object = None) -> str:
@@ -32,7 +32,7 @@ def calls_worker_blocking() -> str:
 
 
 def sleeps_a_little() -> str:
-    time.sleep(0.001)
+    time.sleep(0.002)
     return threading.current_thread().name
 
 
@@ -71,11 +71,18 @@ async def test_slow_function_is_never_inlined(group2):
     assert all(on_pool(n) for n in names)
 
 
+async def test_one_slow_pool_run_keeps_a_function_on_the_pool(group2):
+    # fast calls, but one of the first runs was slow: never inlined
+    names = [await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,))]
+    names += await call_n(fast_then_slow, PROMOTE_AFTER + 4, 0.0)
+    assert all(on_pool(n) for n in names)
+
+
 async def test_slow_inline_run_sends_the_function_back_to_the_pool(group2):
     names = await call_n(fast_then_slow, PROMOTE_AFTER + 1, 0.0)
     assert not on_pool(names[-1])
     # one slow run on the loop (the price of learning), then the pool for good
-    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(DEMOTE_SECONDS * 3,)))
+    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
     after = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
     assert all(on_pool(n) for n in after)
 
