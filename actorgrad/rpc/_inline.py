@@ -9,20 +9,21 @@ GIL hand-over, several times the cost of a small function itself.
 - torch and ``operator`` builtins on small tensors always run inline (see
   ``runs_inline`` in ``_api``): they cannot block.
 - A plain Python function is *learned*: its runs go to the pool and are timed there.
-  After ``PROMOTE_AFTER`` runs within ``FAST_SECONDS``, later calls with small tensor
-  arguments run inline. A run slower than ``SLOW_SECONDS``, or one that made a
-  blocking call into a worker (``rpc_sync`` and friends, which a loop-thread caller
-  could not make), keeps the function on the pool for good. Runs in between count
-  for nothing: a pool run's wall time includes waiting for the GIL under load, and
-  a first run pays for cold caches.
-- Every inline run of a learned function is timed; one that takes longer than
-  ``SLOW_SECONDS`` sends that function back to the pool for good.
+  After ``PROMOTE_AFTER`` runs within ``FAST_SECONDS`` (counted since its last slow
+  run), later calls with small tensor arguments run inline.
+- A run slower than ``SLOW_SECONDS``, in the pool or inline, is a *strike*: the
+  function goes back to the pool and needs twice as many fast runs as before to be
+  inlined again. Wall time also grows when the machine is busy (a run preempted by
+  another process, waiting for the GIL), so one slow run must not condemn a function
+  for good; a function that really blocks stalls the loop a few times at most, after
+  which it needs thousands of fast runs. After ``MAX_STRIKES`` it stays on the pool.
+- A function that made a blocking call into a worker (``rpc_sync`` and friends,
+  which a caller on the loop thread could not make) stays on the pool for good.
 - Functions are known by their code object, so a lambda or ``__main__`` function that
   arrives by value on every call is recognised too. actorgrad's own helpers (the RRef
   method proxy, which runs arbitrary methods) are never learned.
 
-The worst case is one long stall of the loop by a function that was fast many times
-and then blocks; ``RpcOptions(inline_functions=False)`` turns learning off.
+``RpcOptions(inline_functions=False)`` turns learning off.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..runtime._sync import blocking_calls
 PROMOTE_AFTER = 8
 FAST_SECONDS = 50e-6
 SLOW_SECONDS = 1e-3
+MAX_STRIKES = 10
 _MAX_TRACKED = 4096
 
 _FunctionType = types.FunctionType
@@ -48,7 +50,8 @@ class InlinePolicy:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._fast_runs: dict[types.CodeType, int] = {}  # pool runs so far, all fast
+        self._fast_runs: dict[types.CodeType, int] = {}  # fast pool runs since the last strike
+        self._strikes: dict[types.CodeType, int] = {}
         self._inline: set[types.CodeType] = set()
         self._never: set[types.CodeType] = set()
 
@@ -82,37 +85,45 @@ class InlinePolicy:
                 return fn()
             finally:
                 elapsed = _perf_counter() - start
-                # set from the pool thread: plain dict/set operations, atomic under the GIL
+                # from the pool thread: plain dict/set operations, atomic under the GIL
                 self._pool_run(code, elapsed, blocking_calls() != before)
 
         return job
 
     def _pool_run(self, code: types.CodeType, elapsed: float, blocked: bool) -> None:
-        if blocked or elapsed > SLOW_SECONDS:
-            self._forget(code)
-            if len(self._never) < _MAX_TRACKED:
-                self._never.add(code)
-            return
-        if elapsed > FAST_SECONDS:
-            return
-        runs = self._fast_runs.get(code, 0) + 1
-        if runs < PROMOTE_AFTER:
-            if len(self._fast_runs) < _MAX_TRACKED:
-                self._fast_runs[code] = runs
-            return
-        self._fast_runs.pop(code, None)
-        if len(self._inline) < _MAX_TRACKED:
-            self._inline.add(code)
+        if blocked:
+            self._ban(code)
+        elif elapsed > SLOW_SECONDS:
+            self._strike(code)
+        elif elapsed <= FAST_SECONDS and code not in self._inline:
+            runs = self._fast_runs.get(code, 0) + 1
+            if runs < PROMOTE_AFTER << self._strikes.get(code, 0):
+                if len(self._fast_runs) < _MAX_TRACKED:
+                    self._fast_runs[code] = runs
+            elif len(self._inline) < _MAX_TRACKED:
+                self._fast_runs.pop(code, None)
+                self._inline.add(code)
 
     def inline_run(self, code: types.CodeType, elapsed: float) -> None:
-        """An inline run took ``elapsed`` seconds; a slow one ends inlining for good."""
+        """An inline run took ``elapsed`` seconds; a slow one is a strike."""
         if elapsed > SLOW_SECONDS:
-            self._forget(code)
-            self._never.add(code)
+            self._strike(code)
 
-    def _forget(self, code: types.CodeType) -> None:
-        self._fast_runs.pop(code, None)
+    def _strike(self, code: types.CodeType) -> None:
         self._inline.discard(code)
+        self._fast_runs.pop(code, None)
+        strikes = self._strikes.get(code, 0) + 1
+        if strikes >= MAX_STRIKES:
+            self._ban(code)
+        elif len(self._strikes) < _MAX_TRACKED:
+            self._strikes[code] = strikes
+
+    def _ban(self, code: types.CodeType) -> None:
+        self._inline.discard(code)
+        self._fast_runs.pop(code, None)
+        self._strikes.pop(code, None)
+        if len(self._never) < _MAX_TRACKED:
+            self._never.add(code)
 
 
 __all__ = ["InlinePolicy"]

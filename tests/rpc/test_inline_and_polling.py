@@ -13,7 +13,7 @@ import time
 import torch
 
 import actorgrad as ag
-from actorgrad.rpc._inline import SLOW_SECONDS, PROMOTE_AFTER
+from actorgrad.rpc._inline import PROMOTE_AFTER, SLOW_SECONDS
 
 
 def thread_name(x: object = None) -> str:
@@ -71,20 +71,22 @@ async def test_slow_function_is_never_inlined(group2):
     assert all(on_pool(n) for n in names)
 
 
-async def test_one_slow_pool_run_keeps_a_function_on_the_pool(group2):
-    # fast calls, but one of the first runs was slow: never inlined
+async def test_a_slow_pool_run_doubles_the_fast_runs_needed(group2):
     names = [await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,))]
-    names += await call_n(fast_then_slow, PROMOTE_AFTER + 4, 0.0)
-    assert all(on_pool(n) for n in names)
+    names += await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 2, 0.0)
+    assert all(on_pool(n) for n in names[: 2 * PROMOTE_AFTER + 1])
+    assert not on_pool(names[-1])
 
 
 async def test_slow_inline_run_sends_the_function_back_to_the_pool(group2):
     names = await call_n(fast_then_slow, PROMOTE_AFTER + 1, 0.0)
     assert not on_pool(names[-1])
-    # one slow run on the loop (the price of learning), then the pool for good
+    # one slow run on the loop (the price of learning), then the pool until twice as
+    # many fast runs as before vouch for it again
     assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
-    after = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
-    assert all(on_pool(n) for n in after)
+    after = await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 2, 0.0)
+    assert all(on_pool(n) for n in after[: 2 * PROMOTE_AFTER])
+    assert not on_pool(after[-1])
 
 
 async def test_inlining_can_be_turned_off(make_group):

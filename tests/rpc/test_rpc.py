@@ -478,7 +478,7 @@ async def test_mixed_timeouts_expire_in_deadline_order(group2):
             when[limit] = time.monotonic() - started
             return "timeout"
 
-    outcome = await asyncio.gather(*(watch(t, f) for t, f in zip(limits, futures)))
+    outcome = await asyncio.gather(*(watch(t, f) for t, f in zip(limits, futures, strict=True)))
     assert outcome == ["timeout", "timeout", "done", "timeout", "done"]
     assert when[0.2] < when[0.4] < when[0.6]
     for limit, elapsed in when.items():
