@@ -129,23 +129,19 @@ def install_handlers(worker: Worker) -> None:
 
 def send_request(
     worker: Worker, to: PeerRef, target: str, obj_without_meta: tuple[Any, ...], timeout: float | None,
-    decode: Callable[[Payload], Any] | None = None,
+    decode_value: bool = False,
 ) -> tuple[int, asyncio.Future[Any]]:
     """Pickle ``(*obj, meta)``, record it for autograd, send it; returns (dst, future).
 
-    The future resolves with the reply payload, or with ``decode(payload)``."""
+    The future resolves with the reply payload, or with the value the callee sent
+    with :func:`dump_value` when ``decode_value`` is set."""
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
     payload = Payload.dump((*obj_without_meta, meta))
     hooks.after_send(worker, meta, payload, dst)
+    decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
     return dst, worker.call(dst, target, payload, timeout, decode)
-
-
-def value_decoder(worker: Worker, to: PeerRef) -> Callable[[Payload], Any]:
-    """``decode`` for :func:`send_request`: the value a peer's :func:`dump_value` sent."""
-    src = worker.resolve(to).id
-    return lambda payload: load_value(worker, payload, src)
 
 
 def rpc_async(
@@ -175,8 +171,7 @@ def rpc_async(
         raise RuntimeError(
             "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
         )
-    _, reply = send_request(worker, to, "rpc.call", (func, tuple(args), dict(kwargs or {})), timeout,
-                            value_decoder(worker, to))
+    _, reply = send_request(worker, to, "rpc.call", (func, tuple(args), dict(kwargs or {})), timeout, True)
     return reply
 
 

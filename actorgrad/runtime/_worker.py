@@ -91,7 +91,7 @@ class Worker:
         self.auth_key: bytes | None = key.encode() if isinstance(key, str) else (key or None)
         self.loop = asyncio.get_running_loop()
         self.infos: dict[int, WorkerInfo] = {}
-        self._by_name: dict[str, WorkerInfo] = {}  # filled as names are looked up
+        self._known: dict[str | int, WorkerInfo] = {}  # names and ranks looked up so far
         self.peers: dict[int, PeerProtocol] = {}
         self.closed = False
         self.shutting_down = False
@@ -130,6 +130,11 @@ class Worker:
 
     def resolve(self, to: PeerRef) -> WorkerInfo:
         """The :class:`WorkerInfo` for a name, rank or WorkerInfo of this group."""
+        cls = type(to)
+        if cls is str or cls is int:  # the common cases, without the checks below
+            info = self._known.get(to)  # type: ignore[arg-type]  # str or int here
+            if info is not None:
+                return info
         if isinstance(to, WorkerInfo):
             to = to.id
         if isinstance(to, bool) or not isinstance(to, (int, str)):
@@ -138,13 +143,11 @@ class Worker:
             info = self.infos.get(to)
             if info is None:
                 raise ValueError(f"no worker with rank {to} (world size {self.world_size})")
-            return info
-        info = self._by_name.get(to)
-        if info is not None:
+            self._known[to] = info
             return info
         for info in self.infos.values():
             if info.name == to:
-                self._by_name[to] = info
+                self._known[to] = info
                 return info
         known = ", ".join(sorted(i.name for i in self.infos.values()))
         raise ValueError(f"unknown worker name {to!r}; the group has: {known}")
