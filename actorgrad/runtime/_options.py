@@ -54,6 +54,9 @@ class RpcOptions:
             sleeping for this many microseconds, so a quick answer is picked up
             without the cost of waking the process. ``0`` turns polling off; a quiet
             worker sleeps either way.
+        socket_buffer_bytes: kernel send and receive buffer of each peer connection
+            (``SO_SNDBUF``/``SO_RCVBUF``; the kernel caps it at ``net.core.wmem_max``
+            / ``rmem_max``); ``0`` keeps the system's default and its autotuning.
     """
 
     rpc_timeout: float = 60.0
@@ -73,10 +76,13 @@ class RpcOptions:
     trace: bool = False
     inline_functions: bool = True
     spin_us: int = 500
+    socket_buffer_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
+        if self.socket_buffer_bytes < 0:
+            raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
         if self.spin_us < 0:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
         if self.num_worker_threads < 1:

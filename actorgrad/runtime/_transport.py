@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
+import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,15 @@ class PeerProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=64 << 20)  # type: ignore[union-attr]
+        size = self.worker.options.socket_buffer_bytes
+        sock = transport.get_extra_info("socket")
+        if size and sock is not None:
+            # Big kernel buffers let a large tensor leave in a few sends instead of many
+            # rounds of "buffer full, wait until writable" (the kernel caps the size
+            # at net.core.wmem_max / rmem_max).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
         self._write(self.conn.data_to_send())
 
     def get_buffer(self, sizehint: int) -> memoryview:
