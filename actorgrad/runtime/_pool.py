@@ -39,6 +39,7 @@ class ThreadPool:
         self._free: list[bool] = []  # per thread: blocked waiting for a job (or about to)
         self._check: asyncio.TimerHandle | None = None
         self._closed = False
+        self.in_flight = 0  # jobs submitted whose result the loop has not received yet
 
     def submit(self, fn: Callable[[], Any], ctx: contextvars.Context) -> asyncio.Future[Any]:
         """Run ``ctx.run(fn)`` on a pool thread; the future resolves on the loop.
@@ -48,6 +49,7 @@ class ThreadPool:
         if self._closed:
             raise RuntimeError("the worker's thread pool is shut down")
         future: asyncio.Future[Any] = self._loop.create_future()
+        self.in_flight += 1
         self._jobs.put((fn, ctx, future))
         if not self._threads:
             self._start_thread()
@@ -97,10 +99,16 @@ class ThreadPool:
             del job, fn, ctx
             self._finished += 1  # a lost update only delays a thread start by _GRACE
             try:
-                call_soon_threadsafe(deliver, future, value)
+                call_soon_threadsafe(self._deliver, deliver, future, value)
             except RuntimeError:
                 return  # the loop is closed: nobody waits any more
             del future, value
+
+    def _deliver(
+        self, deliver: Callable[[asyncio.Future[Any], Any], None], future: asyncio.Future[Any], value: Any
+    ) -> None:
+        self.in_flight -= 1
+        deliver(future, value)
 
     def close(self) -> None:
         self._closed = True

@@ -279,7 +279,9 @@ class Worker:
         takes ~7x as long as a polling one). After activity the loop keeps itself
         busy with a callback that reschedules itself for ``RpcOptions.spin_us``, so
         the answer or the next request is picked up without a wake-up; it yields the
-        CPU on each turn, and a quiet worker still sleeps.
+        CPU on each turn, and a quiet worker still sleeps. It does not poll while the
+        thread pool runs a job: the polling loop would win the GIL back every time and
+        the job would wait for a forced switch (milliseconds).
         """
         self._hot_until = _perf_counter() + self._spin_seconds
         if not self._spinning and self._spin_seconds:
@@ -287,7 +289,7 @@ class Worker:
             self.loop.call_soon(self._spin)
 
     def _spin(self) -> None:
-        if _perf_counter() < self._hot_until and not self.closed:
+        if _perf_counter() < self._hot_until and not self.closed and not self._pool.in_flight:
             os.sched_yield()  # let other runnable processes (more ranks than cores) run
             self.loop.call_soon(self._spin)
         else:
