@@ -11,9 +11,15 @@ fed by several is a *stop*: every feeding job captures its share at the node's i
 as a start of its own, exactly once, with the summed gradient. Recv leaves fed by
 several starts wait the same way, so each recv sends its gradients exactly once.
 
-Within one job torch would still run a stop node if another of the job's targets lies
-beyond it; a node pre-hook blanks the stop's gradient inside the job that merely feeds
-it (captures happen before pre-hooks), so its share is only counted once, when it runs.
+Within one job torch would run a stop node (and everything between it and the target)
+if another of the job's targets lay beyond it: a leaf that the job reaches directly and
+also through the stop, say. Such a target is *shadowed*. The plan avoids it: the job's
+own parents of a shadowed target become stops with a single feeder (the job captures
+their inputs and they run as starts of their own, right after it), and planning is
+repeated until no job has a shadowed target. As a last line of defence (a start tensor
+whose own node is shadowed has no parent to split at), a node pre-hook blanks a stop's
+gradient inside a job that merely feeds it (captures happen before pre-hooks), so its
+share is only counted once, when it runs.
 """
 
 from __future__ import annotations
@@ -84,11 +90,15 @@ class Plan:
     regions: dict[Hashable, list[Any]]  # start -> the nodes its torch call runs (for traces)
     indegree: dict[Any, int]  # node -> number of gradient edges into it (for pictures)
     recvs: dict[int, Stop]  # message id -> pending shares and summed grads (by leaf index)
+    targeted_by: dict[Any, set[Hashable]] = field(default_factory=dict)  # leaf/stop node -> jobs
 
 
 def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
     edge = get_gradient_edge(tensor)
     return edge.node, edge.output_nr
+
+
+_MAX_REPLANS = 8  # planning passes at most; shadowed targets left after them: pre-hook
 
 
 class TooBig(Exception):
@@ -128,9 +138,26 @@ def make_plan(
             indegree[child] += 1
         if max_nodes is not None and len(indegree) > max_nodes:
             raise TooBig
+    forced: set[Any] = set()
+    for _ in range(_MAX_REPLANS):
+        plan = _assign(start_edges, dict(indegree), recv_of_leaf, hooked, forced)
+        more = _split_points(plan) - forced
+        if not more:
+            break
+        forced |= more
+    return plan
+
+
+def _assign(
+    start_edges: dict[Hashable, list[tuple[Any, int]]],
+    indegree: dict[Any, int],
+    recv_of_leaf: dict[int, tuple[int, int]],
+    hooked: dict[Any, Any],
+    forced: set[Any],
+) -> Plan:
+    """The topological pass: which starts feed each node; several (or ``forced``) -> a stop."""
     total_indegree = dict(indegree)
-    # 2. topological pass: which starts feed each node; several -> a stop
-    regions: dict[Hashable, list[Any]] = {key: [] for key in starts}
+    regions: dict[Hashable, list[Any]] = {key: [] for key in start_edges}
     sources: dict[Any, set[Hashable]] = {}
     slots: dict[Any, set[int]] = {}
     ready = []
@@ -145,14 +172,16 @@ def make_plan(
     for key, edges in start_edges.items():
         for node, slot in edges:
             feed(node, slot, {key})
-    feeds: dict[Hashable, Feeds] = {key: Feeds() for key in starts}
+    feeds: dict[Hashable, Feeds] = {key: Feeds() for key in start_edges}
     stops: dict[Any, Stop] = {}
     recv_sources: dict[int, set[Hashable]] = {}
+    targeted_by: dict[Any, set[Hashable]] = {}  # leaf or stop node -> the jobs that target it
     while ready:
         node = ready.pop()
         keys = sources[node]
         variable = getattr(node, "variable", None)
         if variable is not None:  # AccumulateGrad: a user leaf or a recv leaf
+            targeted_by[node] = set(keys)
             where = recv_of_leaf.get(id(variable))
             for key in keys:
                 if where is None:
@@ -162,7 +191,8 @@ def make_plan(
             if where is not None:
                 recv_sources.setdefault(where[0], set()).update(keys)
             continue
-        if len(keys) > 1:
+        if len(keys) > 1 or node in forced:
+            targeted_by[node] = set(keys)
             stops[node] = Stop(pending=len(keys), slots=tuple(sorted(slots[node])))
             for key in keys:
                 feeds[key].stops.append(node)
@@ -182,7 +212,35 @@ def make_plan(
         regions=regions,
         indegree=total_indegree,
         recvs={msg: Stop(pending=len(keys)) for msg, keys in recv_sources.items()},
+        targeted_by=targeted_by,
     )
+
+
+def _split_points(plan: Plan) -> set[Any]:
+    """Nodes to turn into stops so that no job has a shadowed target.
+
+    A target of job J is shadowed when a job downstream of one of J's stops targets it
+    too: torch would then run that stop inside J. J's own parents of the target (the
+    nodes of J's region with an edge to it) are where J should stop instead. A start
+    whose own node is shadowed has no such parent: it is left to the pre-hook.
+    """
+    points: set[Any] = set()
+    for key, feeds in plan.feeds.items():
+        if not feeds.stops:
+            continue
+        below: set[Hashable] = set()  # the jobs downstream of J's stops
+        pending = list(feeds.stops)
+        while pending:
+            stop = pending.pop()
+            if stop not in below:
+                below.add(stop)
+                pending.extend(plan.feeds[stop].stops)
+        shadowed = {node for node, jobs in plan.targeted_by.items() if key in jobs and jobs & below}
+        if shadowed:
+            for node in plan.regions[key]:
+                if any(child in shadowed for child, _ in node.next_functions):
+                    points.add(node)
+    return points
 
 
 def reached_recvs(tensors: Sequence[torch.Tensor], recv_of_leaf: dict[int, tuple[int, int]]) -> set[int]:

@@ -179,14 +179,6 @@ class CountedScale(torch.autograd.Function):
 
 
 @MODES
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a node past a stop runs twice: _plan.suppressing only blanks the stop's "
-        "gradient, torch still executes the stop and everything between it and a target "
-        "beyond (a Python Function's backward is called again with zeros)"
-    ),
-)
 async def test_python_function_backward_runs_once_per_backward(group2, mode):
     """Residual shape: a feeds the loss directly and through a node shared by the roots
     and a send (a stop). The engine's contract: every local node runs exactly once."""
@@ -205,3 +197,27 @@ async def test_python_function_backward_runs_once_per_backward(group2, mode):
     ((torch.sin(lshared) + lshared).sum() + la.sum()).backward()
     assert_grads(grads, [(a, la.grad)])  # right either way
     assert calls == pytest.approx(BACKWARD_CALLS), calls  # [0.0, g] instead of [g]
+
+
+@MODES
+async def test_nested_stops_each_run_once(group2, mode):
+    """The leaf is reached directly, through a stop, and through a stop behind that
+    stop; each shared node is also sent away. Every Python backward runs once."""
+    a = rand()
+    BACKWARD_CALLS.clear()
+    async with ag.autograd.context() as context_id:
+        m1 = CountedScale.apply(a) * 2
+        r1 = await ag.rpc_async("worker1", torch.sin, args=(m1,))
+        m2 = CountedScale.apply(m1) * 3
+        r2 = await ag.rpc_async("worker1", torch.cos, args=(m2,))
+        loss = (r1 + r2 + m1 + m2).sum() + a.sum()
+        await ag.autograd.backward(context_id, [loss], mode=mode)
+        grads = ag.autograd.get_gradients(context_id)
+    calls = sorted(BACKWARD_CALLS)
+    BACKWARD_CALLS.clear()
+    (la,) = local_copies(a)
+    lm1 = CountedScale.apply(la) * 2
+    lm2 = CountedScale.apply(lm1) * 3
+    ((torch.sin(lm1) + torch.cos(lm2) + lm1 + lm2).sum() + la.sum()).backward()
+    assert_grads(grads, [(a, la.grad)])
+    assert calls == pytest.approx(sorted(BACKWARD_CALLS)), calls

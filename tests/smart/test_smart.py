@@ -31,6 +31,26 @@ def f_square(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a * a + b
 
 
+BACKWARD_CALLS: list[float] = []  # every worker of a group3 lives in this process
+
+
+class Counted(torch.autograd.Function):
+    """x * 3 whose backward records each call: every node must run once per backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        BACKWARD_CALLS.append(round(float(grad.abs().sum()), 4))
+        return grad * 3
+
+
+def f_counted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return Counted.apply(a) + b
+
+
 async def f_nested(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """On worker1: half the work on worker2, the rest here."""
     c = await ag.rpc_async("worker2", f_mix, args=(a, b))
@@ -175,7 +195,7 @@ async def test_dead_peer_during_discovery_raises(make_process_group) -> None:  #
 
 
 # -- property: random DAGs of RPCs over three workers -----------------------------
-FUNCS = [f_add, f_mul, f_mix, f_square]
+FUNCS = [f_add, f_mul, f_mix, f_square, f_counted]
 OP = st.tuples(
     st.sampled_from(["local", "worker1", "worker2", "nested"]),
     st.integers(0, len(FUNCS) - 1),
@@ -210,6 +230,11 @@ async def test_random_dags_match_local_autograd(group3, ops, used, seed) -> None
                 values.append(await ag.rpc_async(where, FUNCS[f], args=(x, y)))
         chosen = [v for k, v in enumerate(values[3:]) if used[k % len(used)]] or [values[-1]]
         loss = sum(v.sum() for v in chosen)
+        BACKWARD_CALLS.clear()
         await asyncio.wait_for(ag.autograd.backward(cid, [loss], mode="smart"), 30)
         grads = ag.autograd.get_gradients(cid)
-    check(grads, inputs, oracle(inputs, run_local))
+    calls = sorted(BACKWARD_CALLS)
+    BACKWARD_CALLS.clear()
+    expected = oracle(inputs, run_local)
+    check(grads, inputs, expected)
+    assert calls == pytest.approx(sorted(BACKWARD_CALLS), rel=1e-3, abs=1e-3)  # each node once
