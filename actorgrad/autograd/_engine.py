@@ -101,7 +101,10 @@ class EngineActor:
     # -- SMART discovery ------------------------------------------------------------
     async def discover(self, ctx: DistContext, task: GraphTask, tensors: Sequence[torch.Tensor]) -> None:
         """Traverse from ``tensors`` to the recvs they reach, and beyond, everywhere."""
-        found = await self.worker.run_blocking(lambda: reached_recvs(tensors, ctx.recv_of_leaf))
+        try:  # small graphs right here; big ones on the pool, the loop keeps serving
+            found = reached_recvs(tensors, ctx.recv_of_leaf, _INLINE_PLAN_NODES)
+        except TooBig:
+            found = await self.worker.run_blocking(lambda: reached_recvs(tensors, ctx.recv_of_leaf))
         new = found - task.traversed
         task.traversed |= new
         calls = []

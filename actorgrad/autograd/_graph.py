@@ -14,8 +14,16 @@ from collections.abc import Sequence
 import torch
 
 
-def reachable_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Every leaf that requires grad and is reachable backwards from ``outputs``."""
+class TooManyNodes(Exception):
+    """The walk met more nodes than the caller allowed (see ``reachable_leaves``)."""
+
+
+def reachable_leaves(outputs: Sequence[torch.Tensor], max_nodes: int | None = None) -> list[torch.Tensor]:
+    """Every leaf that requires grad and is reachable backwards from ``outputs``.
+
+    Raises TooManyNodes once more than ``max_nodes`` nodes were met, so that a caller
+    on the event loop can walk small graphs itself and hand big ones to a thread.
+    """
     leaves: dict[int, torch.Tensor] = {}
     seen: set[object] = set()
     stack = []
@@ -37,6 +45,8 @@ def reachable_leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 leaves[id(variable)] = variable
             else:
                 stack.append(child)
+        if max_nodes is not None and len(seen) > max_nodes:
+            raise TooManyNodes
     return list(leaves.values())
 
 

@@ -243,12 +243,20 @@ def _split_points(plan: Plan) -> set[Any]:
     return points
 
 
-def reached_recvs(tensors: Sequence[torch.Tensor], recv_of_leaf: dict[int, tuple[int, int]]) -> set[int]:
-    """Message ids of the recv entries whose leaves ``tensors`` reach (for discovery)."""
-    from ._graph import reachable_leaves
+def reached_recvs(
+    tensors: Sequence[torch.Tensor], recv_of_leaf: dict[int, tuple[int, int]], max_nodes: int | None = None
+) -> set[int]:
+    """Message ids of the recv entries whose leaves ``tensors`` reach (for discovery).
 
+    Raises TooBig when the graph has more than ``max_nodes`` nodes."""
+    from ._graph import TooManyNodes, reachable_leaves
+
+    try:
+        leaves = reachable_leaves(tensors, max_nodes)
+    except TooManyNodes:
+        raise TooBig from None
     found = set()
-    for leaf in reachable_leaves(tensors):
+    for leaf in leaves:
         where = recv_of_leaf.get(id(leaf))
         if where is not None:
             found.add(where[0])

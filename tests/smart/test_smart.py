@@ -238,3 +238,25 @@ async def test_random_dags_match_local_autograd(group3, ops, used, seed) -> None
     expected = oracle(inputs, run_local)
     check(grads, inputs, expected)
     assert calls == pytest.approx(sorted(BACKWARD_CALLS), rel=1e-3, abs=1e-3)  # each node once
+
+
+async def test_discovery_of_a_big_graph(group3) -> None:  # type: ignore[no-untyped-def]
+    """Over 256 nodes on each side: discovery walks them on the thread pool."""
+    a, b = leaves(2, 7)
+
+    def long_chain(x: torch.Tensor, n: int) -> torch.Tensor:
+        for i in range(n):
+            x = x * 1.001 + i * 1e-4
+        return x
+
+    def build(t):  # type: ignore[no-untyped-def]
+        return (f_mix(long_chain(t[0], 150), t[1]) * long_chain(t[1], 150)).sum()
+
+    async with ag.autograd.context() as cid:
+        remote = await ag.rpc_async("worker1", f_mix, args=(long_chain(a, 150), b))
+        unused = await ag.rpc_async("worker2", f_add, args=(a, b))  # never used: skipped
+        loss = (remote * long_chain(b, 150)).sum()
+        await asyncio.wait_for(ag.autograd.backward(cid, [loss], mode="smart"), 30)
+        grads = ag.autograd.get_gradients(cid)
+        del unused
+    check(grads, [a, b], oracle([a, b], build))
