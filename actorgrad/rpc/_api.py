@@ -18,6 +18,7 @@ from . import _hooks
 from ._inline import InlinePolicy
 
 _perf_counter = time.perf_counter
+_is_grad_enabled = torch.is_grad_enabled
 
 T = TypeVar("T")
 
@@ -73,6 +74,14 @@ async def run_user_function(
 
 
 def _call_inline(policy: InlinePolicy | None, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run ``func`` on the loop thread as a pool thread would run it.
+
+    Grad mode is per thread, and a coroutine suspended inside ``torch.no_grad()``
+    leaves it off for the whole loop thread; a pool thread always starts with it on.
+    """
+    if not _is_grad_enabled():
+        with torch.enable_grad():
+            return _call_inline(policy, func, args, kwargs)
     code = policy.key(func) if policy is not None else None
     if code is None:
         return func(*args, **kwargs)

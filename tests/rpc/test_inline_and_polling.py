@@ -129,3 +129,19 @@ def test_negative_polling_window_is_refused():
         assert "spin_us" in str(exc)
     else:
         raise AssertionError("spin_us=-1 was accepted")
+
+
+def grad_mode(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled()
+
+
+async def test_inline_runs_see_the_grad_mode_of_a_pool_thread(group2):
+    # every worker of group2 shares this thread: the caller's no_grad is the callee's
+    x = torch.ones(2)
+    with torch.no_grad():
+        pooled = [await ag.rpc_async("worker1", grad_mode, args=(x,)) for _ in range(PROMOTE_AFTER)]
+        inline = await ag.rpc_async("worker1", grad_mode, args=(x,))
+        product = await ag.rpc_async("worker1", torch.mul, args=(torch.ones(2, requires_grad=True), 2))
+    assert pooled == [True] * PROMOTE_AFTER
+    assert inline is True
+    assert product.requires_grad  # the inline builtin recorded its graph, as elsewhere
