@@ -285,13 +285,13 @@ class ContextActor(CallHooks):
             reaper.drop(ctx)
         peers = ctx.peers - {came_from, self.worker.rank}
         if peers:
-            message = Payload.dump(ReleaseContext(context_id=context_id))
+            message = ReleaseContext(context_id=context_id).dump()
             for peer in peers:
                 with contextlib.suppress(Exception):  # a lost peer has nothing left to free
                     self.worker.tell(peer, ReleaseContext.TARGET, message)
 
     def on_release(self, peer: Any, payload: Payload) -> None:
-        msg = payload.load()
+        msg = ReleaseContext.load(payload)
         self.release(msg.context_id, came_from=peer.rank)
 
     def close(self) -> None:

@@ -111,11 +111,11 @@ class EngineActor:
         for message_id in new:
             message = Traverse(context_id=ctx.context_id, backward_id=task.backward_id,
                                message_id=message_id, retain_graph=task.retain_graph)
-            calls.append(self.worker.call(ctx.recvs[message_id].peer, Traverse.TARGET, Payload.dump(message)))
+            calls.append(self.worker.call(ctx.recvs[message_id].peer, Traverse.TARGET, message.dump()))
         await _all_or_first_error(calls)
 
     def on_traverse(self, peer: Any, payload: Payload) -> Any:
-        msg: Traverse = payload.load()
+        msg = Traverse.load(payload)
         ctx = self.contexts.get(msg.context_id)
         entry = self._send_entry(ctx, msg.message_id)
         task = self._graph_task(ctx, msg.backward_id, "smart", msg.retain_graph)
@@ -140,7 +140,7 @@ class EngineActor:
         return entry
 
     def on_propagate(self, peer: Any, payload: Payload) -> Any:
-        msg: PropagateGrads = payload.load()
+        msg = PropagateGrads.load(payload)
         ctx = self.contexts.get(msg.context_id)
         entry = self._send_entry(ctx, msg.message_id)
         entry.fired = True
@@ -155,7 +155,7 @@ class EngineActor:
                     "which discovery did not reach"
                 )
             report = await self.run_start(ctx, task, key, entry.tensors, list(msg.grads))
-            return Payload.dump(report.merge(BackwardReport(pairs={}, fired=frozenset({msg.message_id}))))
+            return report.merge(BackwardReport(pairs={}, fired=frozenset({msg.message_id}))).dump()
 
         return run()
 
@@ -235,7 +235,7 @@ class EngineActor:
             report = BackwardReport(pairs=pairs_here, fired=frozenset(fired))
             for answer in await _all_or_first_error(followups):
                 if isinstance(answer, Payload):
-                    answer = answer.load()
+                    answer = BackwardReport.load(answer)
                 report = report.merge(answer)
             return report
         finally:
@@ -250,7 +250,7 @@ class EngineActor:
             grads=tuple(grads.get(i) for i in range(len(recv.leaves))),
             mode=task.mode, retain_graph=task.retain_graph,
         )
-        return self.worker.call(recv.peer, PropagateGrads.TARGET, Payload.dump(message))
+        return self.worker.call(recv.peer, PropagateGrads.TARGET, message.dump())
 
 
 def _describe_start(key: Hashable) -> str:

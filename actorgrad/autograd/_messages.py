@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..wire import TupleMessage
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PropagateGrads:
+class PropagateGrads(TupleMessage):
     """PROPAGATE_GRADS: gradients for the send entry ``message_id`` of a context.
 
     Sent by the worker that executed the matching recv; answered (with a
@@ -25,7 +27,7 @@ class PropagateGrads:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Traverse:
+class Traverse(TupleMessage):
     """TRAVERSE (SMART mode discovery): the recv of ``message_id`` is reachable from the
     roots; the worker holding the send continues the traversal from it. Answered once
     that whole sub-traversal is done, so the initiator knows when discovery ended."""
@@ -38,7 +40,7 @@ class Traverse:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BackwardReport:
+class BackwardReport(TupleMessage):
     """What the workers reached by a propagation know about their send/recv pairs.
 
     ``pairs`` holds every autograd message id recorded on those workers in this context,
@@ -54,7 +56,7 @@ class BackwardReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReleaseContext:
+class ReleaseContext(TupleMessage):
     """RELEASE_CONTEXT: drop the context here and forward to the workers it touched."""
 
     TARGET = "autograd.release"

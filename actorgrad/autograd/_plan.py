@@ -16,10 +16,12 @@ if another of the job's targets lay beyond it: a leaf that the job reaches direc
 also through the stop, say. Such a target is *shadowed*. The plan avoids it: the job's
 own parents of a shadowed target become stops with a single feeder (the job captures
 their inputs and they run as starts of their own, right after it), and planning is
-repeated until no job has a shadowed target. As a last line of defence (a start tensor
-whose own node is shadowed has no parent to split at), a node pre-hook blanks a stop's
-gradient inside a job that merely feeds it (captures happen before pre-hooks), so its
-share is only counted once, when it runs.
+repeated until no job has a shadowed target. A start with a direct edge to a shadowed
+target (a send whose tensors include the leaf, a stop that feeds it directly) has no
+parent to split at: there a node pre-hook blanks the stop's gradient inside the job
+that merely feeds it (captures happen before pre-hooks), so its share is counted once,
+when it runs, although torch still calls the nodes behind it with zero gradients
+(a known gap, covered by a strict xfail test).
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ def _split_points(plan: Plan) -> set[Any]:
     A target of job J is shadowed when a job downstream of one of J's stops targets it
     too: torch would then run that stop inside J. J's own parents of the target (the
     nodes of J's region with an edge to it) are where J should stop instead. A start
-    whose own node is shadowed has no such parent: it is left to the pre-hook.
+    with a direct edge to a shadowed target has no such parent: left to the pre-hook.
     """
     points: set[Any] = set()
     for key, feeds in plan.feeds.items():

@@ -22,11 +22,11 @@ import torch
 from ..autograd import _context
 from ..rpc import RRef
 from ..runtime import Worker, get_worker
-from ..wire import Payload
+from ..wire import Payload, TupleMessage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CreateOptimizer:
+class CreateOptimizer(TupleMessage):
     """Build a local optimizer over ``params`` (RRefs owned by the receiving worker)."""
 
     TARGET = "optim.create"
@@ -38,7 +38,7 @@ class CreateOptimizer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class OptStep:
+class OptStep(TupleMessage):
     """OPT_STEP: apply the gradients of ``context_id`` with optimizer ``optimizer_id``."""
 
     TARGET = "optim.step"
@@ -47,7 +47,7 @@ class OptStep:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DropOptimizer:
+class DropOptimizer(TupleMessage):
     TARGET = "optim.drop"
     optimizer_id: tuple[int, int]
 
@@ -69,7 +69,7 @@ class OptimizerActor:
         self.lock = asyncio.Lock()
 
     def on_create(self, peer: Any, payload: Payload) -> Any:
-        msg: CreateOptimizer = payload.load()
+        msg = CreateOptimizer.load(payload)
 
         async def create() -> Payload:
             params = [await p.to_here() for p in msg.params]
@@ -83,11 +83,11 @@ class OptimizerActor:
         return create()
 
     def on_step(self, peer: Any, payload: Payload) -> Any:
-        msg: OptStep = payload.load()
+        msg = OptStep.load(payload)
         return self._step(msg.optimizer_id, msg.context_id)
 
     def on_drop(self, peer: Any, payload: Payload) -> None:
-        self.optimizers.pop(payload.load().optimizer_id, None)
+        self.optimizers.pop(DropOptimizer.load(payload).optimizer_id, None)
 
     async def _step(self, optimizer_id: tuple[int, int], context_id: int) -> Payload:
         local = self.optimizers.get(optimizer_id)
@@ -141,7 +141,7 @@ class DistributedOptimizer:
         for owner, rrefs in by_owner.items():
             message = CreateOptimizer(optimizer_id=self._id, optimizer_class=optimizer_class,
                                       params=tuple(rrefs), args=args, kwargs=kwargs)
-            fut = worker.call(owner, CreateOptimizer.TARGET, Payload.dump(message))
+            fut = worker.call(owner, CreateOptimizer.TARGET, message.dump())
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._created.append(fut)
 
@@ -150,7 +150,7 @@ class DistributedOptimizer:
         if self._created:
             await asyncio.gather(*self._created)
             self._created = []
-        message = Payload.dump(OptStep(optimizer_id=self._id, context_id=context_id))
+        message = OptStep(optimizer_id=self._id, context_id=context_id).dump()
         await asyncio.gather(*(self._worker.call(o, OptStep.TARGET, message) for o in self._owners))
 
     async def zero_grad(self) -> None:
@@ -160,7 +160,7 @@ class DistributedOptimizer:
         worker = getattr(self, "_worker", None)
         if worker is None or worker.closed or worker.loop.is_closed():
             return
-        message = Payload.dump(DropOptimizer(optimizer_id=self._id))
+        message = DropOptimizer(optimizer_id=self._id).dump()
 
         def drop() -> None:
             for owner in self._owners:

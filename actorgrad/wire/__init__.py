@@ -23,3 +23,4 @@ from ._messages import Kind as Kind
 from ._messages import Message as Message
 from ._messages import Result as Result
 from ._messages import Tell as Tell
+from ._typed import TupleMessage as TupleMessage
