@@ -175,6 +175,22 @@ def role_actorgrad(cfg) -> None:
     ag.run(main())
 
 
+async def atimeit_pair(fn, n, warm):
+    """fn("fast") and fn("smart") alternately, warm times each, then n times each;
+    the two lists of per-call seconds."""
+    pc = time.perf_counter_ns
+    for _ in range(warm):
+        await fn("fast")
+        await fn("smart")
+    times = {"fast": [], "smart": []}
+    for i in range(2 * n):
+        mode = ("fast", "smart")[i % 2]
+        t0 = pc()
+        await fn(mode)
+        times[mode].append((pc() - t0) / 1e9)
+    return times["fast"], times["smart"]
+
+
 async def atimeit(fn, n, warm):
     """Await fn() warm times, then n times; the list of per-call seconds."""
     pc = time.perf_counter_ns
@@ -332,40 +348,42 @@ async def bench_actorgrad(cfg, ag, mod, torch) -> None:
          how="same Linear+loss+backward+SGD.step in one process, no RPC (compute floor)")
 
     # ---- e. SMART mode beside FAST on the same workloads (every RPC is used) -------
-    async def seed_smart():
+    # The two modes alternate iteration by iteration, so the machine's drift between
+    # phases does not land on one of them; the ratio compares these paired timings.
+    async def seed_mode(mode):
         async with autograd.context() as cid:
             t1 = torch.rand((3, 3), requires_grad=True)
             t2 = torch.rand((3, 3), requires_grad=True)
             t3 = await ag.rpc_async(w1, torch.add, args=(t1, t2))
             loss = torch.mul(t3, torch.rand((3, 3), requires_grad=True)).sum()
-            await autograd.backward(cid, [loss], mode="smart")
+            await autograd.backward(cid, [loss], mode=mode)
 
-    ts = await atimeit(seed_smart, n_a, 50)
-    emit(impl, "smart_seed_iter_median_ms", pct(ts, 50) * 1e3, "ms", n=n_a,
-         how="the seed iteration with backward(mode='smart')")
+    def emit_pair(name, fast, smart, n, **extra):
+        emit(impl, f"smart_{name}", pct(smart, 50) * 1e3, "ms", n=n, **extra,
+             how="backward(mode='smart'), interleaved with FAST")
+        emit(impl, f"paired_fast_{name}", pct(fast, 50) * 1e3, "ms", n=n, **extra,
+             how="backward(mode='fast'), interleaved with SMART")
+
+    emit_pair("seed_iter_median_ms", *await atimeit_pair(seed_mode, n_a, 50), n=n_a)
     for K in KS:
         n_e = max(8, {1: 200, 4: 100, 16: 40}[K] // (5 if q else 1))
 
-        async def chain_smart(K=K):
+        async def chain_mode(mode, K=K):
             async with autograd.context() as cid:
                 y = torch.rand((256, 256), requires_grad=True)
                 for _ in range(K):
                     y = await ag.rpc_async(w1, mod._mul2add1, args=(y,))
-                await autograd.backward(cid, [y.sum()], mode="smart")
+                await autograd.backward(cid, [y.sum()], mode=mode)
 
-        ts = await atimeit(chain_smart, n_e, 5)
-        emit(impl, f"smart_chain_k{K}_ms", pct(ts, 50) * 1e3, "ms", n=n_e, K=K,
-             how=f"the K={K} chain with backward(mode='smart')")
+        emit_pair(f"chain_k{K}_ms", *await atimeit_pair(chain_mode, n_e, 5), n=n_e, K=K)
 
-    async def ps_smart():
+    async def ps_mode(mode):
         async with autograd.context() as cid:
             out = await ag.rpc_async(w1, mod._forward, args=(mod_rref, x))
-            await autograd.backward(cid, [out.square().mean()], mode="smart")
+            await autograd.backward(cid, [out.square().mean()], mode=mode)
             await opt.step(cid)
 
-    ts = await atimeit(ps_smart, n_c, 10)
-    emit(impl, "smart_ps_linear1024_iter_median_ms", pct(ts, 50) * 1e3, "ms", n=n_c,
-         how="the parameter-server step with backward(mode='smart')")
+    emit_pair("ps_linear1024_iter_median_ms", *await atimeit_pair(ps_mode, n_c, 10), n=n_c)
 
     # ---- d. empty contexts --------------------------------------------------------
     n_d = 2000 if q else 20000
@@ -519,10 +537,10 @@ def derived(vals):
                 row["target"] = ("<= " if better == "low" else ">= ") + str(target)
                 row["met"] = ratio <= target if better == "low" else ratio >= target
             rows.append(row)
-    for smart, fast in (("smart_seed_iter_median_ms", "dist_autograd_seed_iter_median_ms"),
-                        *((f"smart_chain_k{k}_ms", f"dist_autograd_chain_k{k}_ms") for k in KS),
-                        ("smart_ps_linear1024_iter_median_ms", "dist_ps_linear1024_iter_median_ms")):
-        s, f = vals.get(("actorgrad", smart)), vals.get(("actorgrad", fast))
+    for name, fast in (("seed_iter_median_ms", "dist_autograd_seed_iter_median_ms"),
+                       *((f"chain_k{k}_ms", f"dist_autograd_chain_k{k}_ms") for k in KS),
+                       ("ps_linear1024_iter_median_ms", "dist_ps_linear1024_iter_median_ms")):
+        s, f = vals.get(("actorgrad", f"smart_{name}")), vals.get(("actorgrad", f"paired_fast_{name}"))
         if s is not None and f:
             rows.append({"metric": f"smart_over_fast_{fast}", "value": round(s / f, 4), "unit": "x",
                          "impl": "actorgrad", "how": "SMART / FAST time, every RPC used",

@@ -101,18 +101,59 @@ class EngineActor:
     # -- SMART discovery ------------------------------------------------------------
     async def discover(self, ctx: DistContext, task: GraphTask, tensors: Sequence[torch.Tensor]) -> None:
         """Traverse from ``tensors`` to the recvs they reach, and beyond, everywhere."""
-        try:  # small graphs right here; big ones on the pool, the loop keeps serving
-            found = reached_recvs(tensors, ctx.recv_of_leaf, _INLINE_PLAN_NODES)
+        await self._explore(ctx, task, [tensors], None)
+
+    async def _explore(self, ctx: DistContext, task: GraphTask,
+                       starts: list[Sequence[torch.Tensor]], caller: int | None,
+                       for_caller: set[int] | None = None,
+                       calls: list[asyncio.Future[Any]] | None = None) -> set[int]:
+        """Walk from ``starts`` and follow every recv reached until discovery from here
+        is complete; returns the recvs reached whose sends live on ``caller``.
+
+        Those are not asked for with a TRAVERSE of their own: the caller gets them with
+        its answer and walks its sends itself, which saves a round trip per return hop.
+        Likewise every answer to our own TRAVERSEs lists sends of ours to walk here.
+        (``for_caller`` and ``calls``: what a synchronous first step already found.)
+        """
+        for_caller = set() if for_caller is None else for_caller
+        calls = [] if calls is None else calls
+        while starts or calls:
+            for tensors in starts:
+                found = self._reach_small(ctx, tensors)
+                if found is None:  # a big graph: walked on the pool, the loop keeps serving
+                    found = await self.worker.run_blocking(_bind(reached_recvs, tensors, ctx.recv_of_leaf))
+                self._follow(ctx, task, found, caller, for_caller, calls)
+            starts = []
+            answers, calls = await _all_or_first_error(calls), []
+            for answer in answers:
+                for message_id in answer.load():  # sends of ours the peer reached
+                    if message_id not in task.reached:
+                        task.reached.add(message_id)
+                        starts.append(self._send_entry(ctx, message_id).tensors)
+        return for_caller
+
+    @staticmethod
+    def _reach_small(ctx: DistContext, tensors: Sequence[torch.Tensor]) -> set[int] | None:
+        """The recvs ``tensors`` reach, walked right here; None for a big graph."""
+        try:
+            return reached_recvs(tensors, ctx.recv_of_leaf, _INLINE_PLAN_NODES)
         except TooBig:
-            found = await self.worker.run_blocking(lambda: reached_recvs(tensors, ctx.recv_of_leaf))
+            return None
+
+    def _follow(self, ctx: DistContext, task: GraphTask, found: set[int], caller: int | None,
+                for_caller: set[int], calls: list[asyncio.Future[Any]]) -> None:
+        """Ask the workers holding the sends of the newly ``found`` recvs to go on
+        (those of ``caller`` go into ``for_caller`` instead)."""
         new = found - task.traversed
         task.traversed |= new
-        calls = []
         for message_id in new:
+            peer = ctx.recvs[message_id].peer
+            if peer == caller:
+                for_caller.add(message_id)
+                continue
             message = Traverse(context_id=ctx.context_id, backward_id=task.backward_id,
                                message_id=message_id, retain_graph=task.retain_graph)
-            calls.append(self.worker.call(ctx.recvs[message_id].peer, Traverse.TARGET, message.dump()))
-        await _all_or_first_error(calls)
+            calls.append(self.worker.call(peer, Traverse.TARGET, message.dump()))
 
     def on_traverse(self, peer: Any, payload: Payload) -> Any:
         msg = Traverse.load(payload)
@@ -120,12 +161,21 @@ class EngineActor:
         entry = self._send_entry(ctx, msg.message_id)
         task = self._graph_task(ctx, msg.backward_id, "smart", msg.retain_graph)
         if msg.message_id in task.reached:
-            return Payload.dump(None)
+            return Payload.dump(())
         task.reached.add(msg.message_id)
+        found = self._reach_small(ctx, entry.tensors)
+        if found is None:
+            explore = self._explore(ctx, task, [entry.tensors], peer.rank)
+        else:
+            for_caller: set[int] = set()
+            calls: list[asyncio.Future[Any]] = []
+            self._follow(ctx, task, found, peer.rank, for_caller, calls)
+            if not calls:  # nothing to wait for: answer at once, without a task
+                return Payload.dump(tuple(for_caller))
+            explore = self._explore(ctx, task, [], peer.rank, for_caller, calls)
 
         async def run() -> Payload:
-            await self.discover(ctx, task, entry.tensors)
-            return Payload.dump(None)
+            return Payload.dump(tuple(await explore))
 
         return run()
 
@@ -253,6 +303,10 @@ class EngineActor:
         return self.worker.call(recv.peer, PropagateGrads.TARGET, message.dump())
 
 
+def _bind(fn: Any, *args: Any) -> Any:
+    return lambda: fn(*args)
+
+
 def _describe_start(key: Hashable) -> str:
     if key == ROOTS:
         return "roots"
@@ -299,6 +353,8 @@ async def _all_or_first_error(futures: list[asyncio.Future[Any]]) -> list[Any]:
     """Wait for all; on the first failure cancel the rest and raise it (never hang)."""
     if not futures:
         return []
+    if len(futures) == 1:  # the common case, without asyncio.wait's waiter and callbacks
+        return [await futures[0]]
     done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
     for fut in done:
         if not fut.cancelled() and fut.exception() is not None:
