@@ -264,3 +264,22 @@ async def test_discovery_of_a_big_graph(group3) -> None:  # type: ignore[no-unty
         grads = ag.autograd.get_gradients(cid)
         del unused
     check(grads, [a, b], oracle([a, b], build))
+
+
+def _forget_context_here(context_id: int) -> None:
+    """Drop this worker's share of a context without telling anyone (a broken peer)."""
+    from actorgrad.autograd._context import context_actor
+
+    context_actor().contexts.pop(context_id)
+
+
+async def test_remote_error_during_discovery_raises_and_releases(group2) -> None:  # type: ignore[no-untyped-def]
+    a = torch.rand(4, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        y = await ag.rpc_async("worker1", torch.mul, args=(a, 3.0))
+        await ag.rpc_async("worker1", _forget_context_here, args=(cid,))
+        with pytest.raises(ag.RemoteError, match="does not exist"):
+            await asyncio.wait_for(ag.autograd.backward(cid, [y.sum()], mode="smart"), 10)
+    for name in ("worker0", "worker1"):
+        info = await ag.rpc_async(name, ag.autograd.debug_info)
+        assert info["num_autograd_contexts"] == 0 and info["num_current_backward_passes"] == 0
