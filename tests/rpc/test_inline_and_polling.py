@@ -57,7 +57,7 @@ async def test_inline_run_keeps_big_arguments_on_the_pool(group2):
 
 
 async def test_lambda_sent_by_value_is_learned_by_its_code(group2):
-    names = await call_n(lambda: threading.current_thread().name, PROMOTE_AFTER + 2)
+    names = await call_n(lambda: threading.current_thread().name, PROMOTE_AFTER + 5)
     assert on_pool(names[0]) and not on_pool(names[-1])
 
 
@@ -73,18 +73,18 @@ async def test_slow_function_is_never_inlined(group2):
 
 async def test_a_slow_pool_run_doubles_the_fast_runs_needed(group2):
     names = [await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,))]
-    names += await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 2, 0.0)
+    names += await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 5, 0.0)
     assert all(on_pool(n) for n in names[: 2 * PROMOTE_AFTER + 1])
     assert not on_pool(names[-1])
 
 
 async def test_slow_inline_run_sends_the_function_back_to_the_pool(group2):
-    names = await call_n(fast_then_slow, PROMOTE_AFTER + 1, 0.0)
+    names = await call_n(fast_then_slow, PROMOTE_AFTER + 5, 0.0)
     assert not on_pool(names[-1])
     # one slow run on the loop (the price of learning), then the pool until twice as
     # many fast runs as before vouch for it again
     assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
-    after = await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 2, 0.0)
+    after = await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 5, 0.0)
     assert all(on_pool(n) for n in after[: 2 * PROMOTE_AFTER])
     assert not on_pool(after[-1])
 
