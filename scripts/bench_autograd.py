@@ -49,6 +49,8 @@ import sys
 import tempfile
 import time
 
+from _benchlib import emit, pct, proc_cpu_s, start_watchdog
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_BENCH = "/work/shared/bench/torch_dist_autograd_bench.py"
 KS = (1, 4, 16)
@@ -58,51 +60,11 @@ TCK = os.sysconf("SC_CLK_TCK")
 # ---------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------
-def pct(vals, q):
-    v = sorted(vals)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def emit(impl, metric, value, unit, **extra):
-    d = {"metric": metric, "value": None if value is None else round(float(value), 4),
-         "unit": unit, "impl": impl}
-    d.update(extra)
-    print(json.dumps(d), flush=True)
-
-
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TCK
-
-
 def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:8]]
     user, nice, system, _idle, _iowait, irq, softirq = v
     return (user + nice + system + irq + softirq) / TCK
-
-
-def start_watchdog(seconds: float, children=()):
-    """Kill our own children (by PID) and exit if this process runs too long."""
-    import threading
-
-    def fire():
-        print(f"[bench_autograd] watchdog: {seconds:.0f}s passed, exiting", file=sys.stderr, flush=True)
-        for pid in list(children):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        os._exit(124)
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 # remote functions: module level, so both workers import them by reference (worker1
@@ -642,7 +604,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.role == "actorgrad":
-        start_watchdog((args.timeout or 120) - 2)
+        start_watchdog("bench_autograd", (args.timeout or 120) - 2)
         role_actorgrad({"quick": args.quick, "pidfile": args.pidfile})
         return
 

@@ -48,6 +48,8 @@ import sys
 import tempfile
 import time
 
+from _benchlib import emit, pct, proc_cpu_s, start_watchdog
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 ECHO_SIZES = [("1MiB", 1 * MiB, 100), ("16MiB", 16 * MiB, 20), ("64MiB", 64 * MiB, 10)]
@@ -60,30 +62,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def pct(vals, q):
-    v = sorted(vals)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def emit(impl, metric, value, unit, **extra):
-    d = {"metric": metric, "value": None if value is None else round(float(value), 4),
-         "unit": unit, "impl": impl}
-    d.update(extra)
-    print(json.dumps(d), flush=True)
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime+stime of a process (all threads), seconds, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_of(pids):
@@ -109,23 +87,6 @@ def note_pids(pidfile: str, pids) -> None:
     """Record worker processes for the orchestrator, which kills them if a phase hangs."""
     with open(pidfile, "a") as f:
         f.write("".join(f"{p}\n" for p in pids))
-
-
-def start_watchdog(seconds: float, children=()):
-    """Kill our own children (by PID) and exit if this process runs too long."""
-    import threading
-
-    def fire():
-        print(f"[bench_rpc] watchdog: {seconds:.0f}s passed, exiting", file=sys.stderr, flush=True)
-        for pid in list(children):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        os._exit(124)
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 # remote functions: module level, so both workers import them by reference (the
@@ -587,13 +548,13 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.role == "raw-server":
-        start_watchdog(120)
+        start_watchdog("bench_rpc", 120)
         role_raw_server(args.pidfile)
         return
     if args.role is not None:
         cfg = {"quick": args.quick, "pidfile": args.pidfile, "timeout": args.timeout or 120,
                "tcp": args.tcp, "impl": "torch_tpuv" if args.tcp else "torch"}
-        start_watchdog(cfg["timeout"] - 2)
+        start_watchdog("bench_rpc", cfg["timeout"] - 2)
         {"actorgrad": role_actorgrad, "torch": role_torch, "raw": role_raw}[args.role](cfg)
         return
 
