@@ -453,7 +453,12 @@ class Worker:
         future = self._pending.add(peer, decode, limit)
         if self.tracer.enabled:
             self._trace_call(future, target, payload)
-        peer.send(Call(request_id=future.request_id, target=target, payload=payload))
+        try:
+            peer.send(Call(request_id=future.request_id, target=target, payload=payload))
+        except BaseException:
+            self._pending.pop(future.request_id)  # never sent: nothing to wait for
+            future.cancel()
+            raise
         return future
 
     def _trace_call(self, future: CallFuture, target: str, payload: Payload) -> None:

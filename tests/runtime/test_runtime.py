@@ -668,3 +668,22 @@ async def test_heartbeat_timeout_does_not_kill_healthy_busy_peer(make_process_gr
         return "woke"
 
     assert await ag.rpc_async("worker1", remote_sleep, args=(3.0,), timeout=10) == "woke"
+
+
+@pytest.mark.slow
+async def test_a_call_is_on_the_wire_before_the_caller_yields(make_process_group, auth_env):
+    """rpc_async sends at once: worker1 runs the call while this loop is still blocked
+    (the first frames of a burst too; later ones are corked until the loop turns)."""
+    await start_process_group(make_process_group, 2)
+
+    def stamp() -> float:
+        import time
+
+        return time.time()
+
+    await ag.rpc_async("worker1", stamp)  # warm
+    issued = time.time()
+    futures = [ag.rpc_async("worker1", stamp) for _ in range(3)]
+    time.sleep(0.5)  # noqa: ASYNC251 - blocks the loop on purpose: no loop turn flushes
+    ran = await asyncio.gather(*futures)
+    assert all(t - issued < 0.4 for t in ran), [round(t - issued, 3) for t in ran]
