@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
+from ._ports import pick_rendezvous_port
+
 __all__ = ["main", "launch"]
 
 _PROG = "actorgrad"
@@ -153,18 +155,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _pick_free_port(addr: str) -> int:
-    """Return a port that is currently free, found by binding port 0.
+    """Return a port that is currently free for the rendezvous.
 
     Binds ``addr`` when possible (so the port is free where rank 0 will
-    listen), falling back to ``127.0.0.1``.
+    listen), falling back to ``127.0.0.1``; the port lies outside the range the
+    kernel hands to the ranks' own listeners (see ``pick_rendezvous_port``).
     """
     last_exc: OSError | None = None
     for host in (addr, "127.0.0.1"):
         try:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                return int(s.getsockname()[1])
+            return pick_rendezvous_port(host)
         except OSError as exc:
             last_exc = exc
     raise OSError(f"could not find a free port: {last_exc}")

@@ -18,8 +18,6 @@ import urllib.parse
 from typing import Any
 
 _MAX_LINE = 1 << 16
-
-
 class StoreServer:
     """The TCP store hosted by rank 0."""
 

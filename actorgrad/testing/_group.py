@@ -13,7 +13,6 @@ import contextlib
 import contextvars
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._api import init_rpc
+from .._ports import pick_rendezvous_port
 from ..runtime import RpcOptions, Worker, _current
 
 T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago, outside the range the kernel hands to
+    the workers' own listeners (so a rendezvous on it does not race them)."""
+    return pick_rendezvous_port(host)
 
 
 class InProcessGroup:

@@ -9,6 +9,7 @@ import contextvars
 import inspect
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -687,3 +688,17 @@ async def test_a_call_is_on_the_wire_before_the_caller_yields(make_process_group
     time.sleep(0.5)  # noqa: ASYNC251 - blocks the loop on purpose: no loop turn flushes
     ran = await asyncio.gather(*futures)
     assert all(t - issued < 0.4 for t in ran), [round(t - issued, 3) for t in ran]
+
+
+def test_rendezvous_port_is_outside_the_ephemeral_range():
+    """Workers listen on port 0: a rendezvous port from the kernel's ephemeral range
+    could be handed to one of them before rank 0 binds it (seen as EADDRINUSE)."""
+    from actorgrad._ports import _ephemeral_low, pick_rendezvous_port
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = pick_rendezvous_port()
+        assert 1024 <= port < low
+        with socket.socket() as s:  # free, and bindable as the store will bind it
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
