@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,9 +49,11 @@ ROOT = os.path.dirname(HERE)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous, outside the kernel's ephemeral range (a port
+    found by binding 0 may go to a worker's own listener first; see actorgrad._ports)."""
+    from actorgrad._ports import pick_rendezvous_port
+
+    return pick_rendezvous_port()
 
 
 def pct(values: list[float], q: float) -> float:

@@ -59,9 +59,11 @@ ECHO_SIZES = [("1MiB", 1 * MiB, 100), ("16MiB", 16 * MiB, 20), ("64MiB", 64 * Mi
 # helpers
 # ---------------------------------------------------------------------------------------
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a rendezvous, outside the kernel's ephemeral range (a port
+    found by binding 0 may go to a worker's own listener first; see actorgrad._ports)."""
+    from actorgrad._ports import pick_rendezvous_port
+
+    return pick_rendezvous_port()
 
 
 def cpu_of(pids):
