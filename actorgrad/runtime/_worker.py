@@ -54,6 +54,7 @@ from ._transport import LoopbackPeer, PeerProtocol
 
 log = logging.getLogger("actorgrad")
 _perf_counter = time.perf_counter
+_sched_yield = getattr(os, "sched_yield", lambda: None)  # not on every platform
 
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
@@ -290,7 +291,7 @@ class Worker:
 
     def _spin(self) -> None:
         if _perf_counter() < self._hot_until and not self.closed and not self._pool.in_flight:
-            os.sched_yield()  # let other runnable processes (more ranks than cores) run
+            _sched_yield()  # let other runnable processes (more ranks than cores) run
             self.loop.call_soon(self._spin)
         else:
             self._spinning = False
