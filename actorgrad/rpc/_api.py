@@ -126,7 +126,14 @@ def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payloa
         policy.runs_inline(policy.key(func)) and _small(payload.tensors)
     )
     if inline and meta is None:  # no autograd context: answer without a task
-        return dump_value(worker, _call_inline(policy, func, args, kwargs), peer.rank)
+        value = _call_inline(policy, func, args, kwargs)
+        if not inspect.isawaitable(value):
+            return dump_value(worker, value, peer.rank)
+
+        async def finish() -> Payload:  # a function that returned an awaitable
+            return dump_value(worker, await value, peer.rank)
+
+        return finish()
 
     return run()
 

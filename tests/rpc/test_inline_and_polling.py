@@ -145,3 +145,17 @@ async def test_inline_runs_see_the_grad_mode_of_a_pool_thread(group2):
     assert pooled == [True] * PROMOTE_AFTER
     assert inline is True
     assert product.requires_grad  # the inline builtin recorded its graph, as elsewhere
+
+
+async def _doubled_later(x: int) -> int:
+    await asyncio.sleep(0)
+    return 2 * x
+
+
+def returns_a_coroutine(x: int) -> object:
+    return _doubled_later(x)
+
+
+async def test_inlined_function_returning_an_awaitable_is_awaited(group2):
+    results = [await ag.rpc_async("worker1", returns_a_coroutine, args=(i,)) for i in range(PROMOTE_AFTER + 5)]
+    assert results == [2 * i for i in range(PROMOTE_AFTER + 5)]
