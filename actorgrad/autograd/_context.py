@@ -35,7 +35,6 @@ from ._messages import ReleaseContext
 _ID_BITS = 48
 _RELEASED_MEMORY = 100_000  # ids of released contexts remembered, to ignore late messages
 _REAPER_STACK = 512 << 20
-SMALL_PLAN_NODES = 256  # contexts whose backward plans are at most this big are freed inline
 
 
 class _Reaper:
@@ -95,14 +94,11 @@ def _small_graph(ctx: DistContext) -> bool:
     """Whether freeing ``ctx`` here cannot recurse deeply.
 
     Deep recursion comes from graphs whose nodes a backward plan walked from Python;
-    a plan small enough to be made on the loop bounds that walk. A context without a
-    backward holds a forward graph torch frees iteratively, as for any user tensor.
+    a plan the engine made on the loop (not handed to the pool as too big) bounds that
+    walk. A context without a backward holds a forward graph torch frees iteratively,
+    as for any user tensor.
     """
-    for task in ctx.graph_tasks.values():
-        plan = task.plan
-        if plan is None or len(plan.indegree) > SMALL_PLAN_NODES:
-            return False
-    return True
+    return all(task.plan is not None and task.planning is None for task in ctx.graph_tasks.values())
 
 
 reaper = _Reaper()
