@@ -46,7 +46,7 @@ def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor]) -> bool:
     module = getattr(func, "__module__", None) or getattr(getattr(func, "__self__", None), "__name__", "")
     if module not in _INLINE_MODULES:
         return False
-    return _small(tensors)
+    return _nbytes(tensors) <= _INLINE_MAX_BYTES
 
 
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType)
@@ -55,25 +55,28 @@ _INLINE_MODULES = frozenset({"torch", "torch._C._VariableFunctions", "_operator"
 
 async def run_user_function(
     worker: Worker, func: Callable[..., Any], args: Any, kwargs: Any, inline: bool = False,
-    policy: InlinePolicy | None = None,
+    policy: InlinePolicy | None = None, nbytes: int = 0,
 ) -> Any:
     """Run a remote function: coroutine functions on the loop, others in the thread pool
-    (or inline, when ``inline`` says so; ``policy`` learns which may be)."""
+    (or inline, when ``inline`` says so; ``policy`` learns which may be, by the
+    function and ``nbytes``, the size of its tensor arguments)."""
     if inspect.iscoroutinefunction(func):
         value = await func(*args, **kwargs)
     elif inline:
-        value = _call_inline(policy, func, args, kwargs)
+        value = _call_inline(policy, func, args, kwargs, nbytes)
     else:
         job: Callable[[], Any] = lambda: func(*args, **kwargs)  # noqa: E731
-        if policy is not None and policy.learning(code := policy.key(func)):
-            job = policy.timed(code, job)  # type: ignore[arg-type]
+        if policy is not None and policy.learning(code := policy.key(func), nbytes):
+            job = policy.timed(code, job, nbytes)  # type: ignore[arg-type]
         value = await worker.run_blocking(job)
     if inspect.isawaitable(value):
         value = await value
     return value
 
 
-def _call_inline(policy: InlinePolicy | None, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _call_inline(
+    policy: InlinePolicy | None, func: Callable[..., Any], args: Any, kwargs: Any, nbytes: int = 0
+) -> Any:
     """Run ``func`` on the loop thread as a pool thread would run it.
 
     Grad mode is per thread, and a coroutine suspended inside ``torch.no_grad()``
@@ -81,7 +84,7 @@ def _call_inline(policy: InlinePolicy | None, func: Callable[..., Any], args: An
     """
     if not _is_grad_enabled():
         with torch.enable_grad():
-            return _call_inline(policy, func, args, kwargs)
+            return _call_inline(policy, func, args, kwargs, nbytes)
     code = policy.key(func) if policy is not None else None
     if code is None:
         return func(*args, **kwargs)
@@ -89,11 +92,11 @@ def _call_inline(policy: InlinePolicy | None, func: Callable[..., Any], args: An
     try:
         return func(*args, **kwargs)
     finally:
-        policy.inline_run(code, _perf_counter() - start)  # type: ignore[union-attr]
+        policy.inline_run(code, _perf_counter() - start, nbytes)  # type: ignore[union-attr]
 
 
-def _small(tensors: list[torch.Tensor]) -> bool:
-    return sum(t.numel() * t.element_size() for t in tensors) <= _INLINE_MAX_BYTES
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
@@ -117,21 +120,23 @@ def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payloa
     hooks = _hooks.current()
     hooks.on_receive(worker, meta, payload, peer.rank)
 
+    nbytes = _nbytes(payload.tensors)
+
     async def run() -> Payload:
         with hooks.scope(worker, meta):
-            value = await run_user_function(worker, func, args, kwargs, inline, policy)
+            value = await run_user_function(worker, func, args, kwargs, inline, policy, nbytes)
             return dump_value(worker, value, peer.rank)
 
-    inline = runs_inline(func, payload.tensors) or (
-        policy.runs_inline(policy.key(func)) and _small(payload.tensors)
-    )
-    if inline and meta is None:  # no autograd context: answer without a task
-        value = _call_inline(policy, func, args, kwargs)
-        if not inspect.isawaitable(value):
-            return dump_value(worker, value, peer.rank)
+    inline = runs_inline(func, payload.tensors) or policy.runs_inline(policy.key(func), nbytes)
+    if inline and not inspect.iscoroutinefunction(func):  # answer without a task
+        with hooks.scope(worker, meta):
+            value = _call_inline(policy, func, args, kwargs, nbytes)
+            if not inspect.isawaitable(value):
+                return dump_value(worker, value, peer.rank)
 
         async def finish() -> Payload:  # a function that returned an awaitable
-            return dump_value(worker, await value, peer.rank)
+            with hooks.scope(worker, meta):
+                return dump_value(worker, await value, peer.rank)
 
         return finish()
 

@@ -10,9 +10,15 @@ GIL hand-over, several times the cost of a small function itself.
   ``runs_inline`` in ``_api``): they cannot block.
 - A plain Python function is *learned*: its runs go to the pool and are timed there.
   After ``PROMOTE_AFTER`` runs within ``FAST_SECONDS`` (counted since its last slow
-  run), later calls with small tensor arguments run inline.
+  run), later calls run inline. Learning is per *size class* of the call's tensor
+  arguments (their total bytes, in powers of two above 64 KiB): a function that is
+  quick on small tensors is not assumed to be quick on a hundred times more data.
+  ``FAST_SECONDS`` is about what the hop to the pool and back costs the caller (two
+  thread wake-ups and a GIL hand-over, ~100-150 us on a small VM, measured on the
+  pool where the run itself is slower than on the loop): below it, running inline
+  holds the loop no longer than the hop would have delayed the answer.
 - A run slower than ``SLOW_SECONDS``, in the pool or inline, is a *strike*: the
-  function goes back to the pool and needs twice as many fast runs as before to be
+  function (at that size class) goes back to the pool and needs twice as many fast runs as before to be
   inlined again. Wall time also grows when the machine is busy (a run preempted by
   another process, waiting for the GIL), so one slow run must not condemn a function
   for good; a function that really blocks stalls the loop a few times at most, after
@@ -36,23 +42,32 @@ from typing import Any
 from ..runtime._sync import blocking_calls
 
 PROMOTE_AFTER = 8
-FAST_SECONDS = 50e-6
+FAST_SECONDS = 200e-6
 SLOW_SECONDS = 1e-3
 MAX_STRIKES = 10
 _MAX_TRACKED = 4096
 
+_SMALL_BYTES = 1 << 16  # every call with up to this many tensor bytes is size class 0
+
 _FunctionType = types.FunctionType
 _perf_counter = time.perf_counter
 
+Learned = tuple[types.CodeType, int]  # (code object, size class)
+
+
+def size_class(nbytes: int) -> int:
+    """0 up to 64 KiB of tensor arguments, then one class per doubling."""
+    return 0 if nbytes <= _SMALL_BYTES else (nbytes - 1).bit_length() - _SMALL_BYTES.bit_length() + 1
+
 
 class InlinePolicy:
-    """Per-worker record of which learned functions run inline."""
+    """Per-worker record of which learned functions run inline, per size class."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._fast_runs: dict[types.CodeType, int] = {}  # fast pool runs since the last strike
-        self._strikes: dict[types.CodeType, int] = {}
-        self._inline: set[types.CodeType] = set()
+        self._fast_runs: dict[Learned, int] = {}  # fast pool runs since the last strike
+        self._strikes: dict[Learned, int] = {}
+        self._inline: set[Learned] = set()
         self._never: set[types.CodeType] = set()
 
     @staticmethod
@@ -65,18 +80,19 @@ class InlinePolicy:
             return None
         return func.__code__
 
-    def runs_inline(self, code: types.CodeType | None) -> bool:
-        return code is not None and code in self._inline
+    def runs_inline(self, code: types.CodeType | None, nbytes: int = 0) -> bool:
+        return code is not None and (code, size_class(nbytes)) in self._inline
 
-    def learning(self, code: types.CodeType | None) -> bool:
-        """Whether pool runs of this function should be timed."""
+    def learning(self, code: types.CodeType | None, nbytes: int = 0) -> bool:
+        """Whether pool runs of this function (with this much tensor data) are timed."""
         return (
             self.enabled and code is not None and code not in self._never
-            and code not in self._inline
+            and (code, size_class(nbytes)) not in self._inline
         )
 
-    def timed(self, code: types.CodeType, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def timed(self, code: types.CodeType, fn: Callable[[], Any], nbytes: int = 0) -> Callable[[], Any]:
         """Wrap a pool job of a function being learned so that it reports its run."""
+        learned = (code, size_class(nbytes))
 
         def job() -> Any:
             before = blocking_calls()
@@ -86,44 +102,46 @@ class InlinePolicy:
             finally:
                 elapsed = _perf_counter() - start
                 # from the pool thread: plain dict/set operations, atomic under the GIL
-                self._pool_run(code, elapsed, blocking_calls() != before)
+                self._pool_run(learned, elapsed, blocking_calls() != before)
 
         return job
 
-    def _pool_run(self, code: types.CodeType, elapsed: float, blocked: bool) -> None:
+    def _pool_run(self, learned: Learned, elapsed: float, blocked: bool) -> None:
         if blocked:
-            self._ban(code)
+            self._ban(learned[0])
         elif elapsed > SLOW_SECONDS:
-            self._strike(code)
-        elif elapsed <= FAST_SECONDS and code not in self._inline:
-            runs = self._fast_runs.get(code, 0) + 1
-            if runs < PROMOTE_AFTER << self._strikes.get(code, 0):
+            self._strike(learned)
+        elif elapsed <= FAST_SECONDS and learned not in self._inline:
+            runs = self._fast_runs.get(learned, 0) + 1
+            if runs < PROMOTE_AFTER << self._strikes.get(learned, 0):
                 if len(self._fast_runs) < _MAX_TRACKED:
-                    self._fast_runs[code] = runs
-            elif len(self._inline) < _MAX_TRACKED:
-                self._fast_runs.pop(code, None)
-                self._inline.add(code)
+                    self._fast_runs[learned] = runs
+            elif len(self._inline) < _MAX_TRACKED and learned[0] not in self._never:
+                self._fast_runs.pop(learned, None)
+                self._inline.add(learned)
 
-    def inline_run(self, code: types.CodeType, elapsed: float) -> None:
+    def inline_run(self, code: types.CodeType, elapsed: float, nbytes: int = 0) -> None:
         """An inline run took ``elapsed`` seconds; a slow one is a strike."""
         if elapsed > SLOW_SECONDS:
-            self._strike(code)
+            self._strike((code, size_class(nbytes)))
 
-    def _strike(self, code: types.CodeType) -> None:
-        self._inline.discard(code)
-        self._fast_runs.pop(code, None)
-        strikes = self._strikes.get(code, 0) + 1
+    def _strike(self, learned: Learned) -> None:
+        self._inline.discard(learned)
+        self._fast_runs.pop(learned, None)
+        strikes = self._strikes.get(learned, 0) + 1
         if strikes >= MAX_STRIKES:
-            self._ban(code)
+            self._ban(learned[0])
         elif len(self._strikes) < _MAX_TRACKED:
-            self._strikes[code] = strikes
+            self._strikes[learned] = strikes
 
     def _ban(self, code: types.CodeType) -> None:
-        self._inline.discard(code)
-        self._fast_runs.pop(code, None)
-        self._strikes.pop(code, None)
+        """Never again inline, at any size: it blocks (or kept being slow)."""
+        for table in (self._fast_runs, self._strikes):
+            for learned in [k for k in table if k[0] is code]:
+                del table[learned]
+        self._inline = {k for k in self._inline if k[0] is not code}
         if len(self._never) < _MAX_TRACKED:
             self._never.add(code)
 
 
-__all__ = ["InlinePolicy"]
+__all__ = ["InlinePolicy", "size_class"]

@@ -13,7 +13,7 @@ import time
 import torch
 
 import actorgrad as ag
-from actorgrad.rpc._inline import PROMOTE_AFTER, SLOW_SECONDS
+from actorgrad.rpc._inline import PROMOTE_AFTER, SLOW_SECONDS, size_class
 
 
 def thread_name(x: object = None) -> str:
@@ -54,6 +54,22 @@ async def test_inline_run_keeps_big_arguments_on_the_pool(group2):
     await call_n(thread_name, PROMOTE_AFTER + 1)
     big = torch.zeros(1 << 20)  # 4 MiB of arguments: not a quick call
     assert on_pool(await ag.rpc_async("worker1", thread_name, args=(big,)))
+
+
+async def test_each_size_of_arguments_is_learned_on_its_own(group2):
+    mid = torch.zeros(1 << 16)  # 256 KiB: its own size class
+    names = await call_n(thread_name, PROMOTE_AFTER + 2, mid)
+    assert all(on_pool(n) for n in names[:PROMOTE_AFTER])
+    assert names[-1] == threading.current_thread().name
+    # learned at 256 KiB says nothing about small arguments, nor about 1 MiB
+    assert on_pool(await ag.rpc_async("worker1", thread_name, args=(torch.zeros(4),)))
+    assert on_pool(await ag.rpc_async("worker1", thread_name, args=(torch.zeros(1 << 18),)))
+
+
+def test_size_classes_double_above_64_kib():
+    assert [size_class(n) for n in (0, 1, 1 << 16)] == [0, 0, 0]
+    assert [size_class(n) for n in ((1 << 16) + 1, 1 << 17, (1 << 17) + 1, 1 << 18)] == [1, 1, 2, 2]
+    assert size_class(1 << 30) == 14
 
 
 async def test_lambda_sent_by_value_is_learned_by_its_code(group2):
