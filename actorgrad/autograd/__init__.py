@@ -48,6 +48,7 @@ def _setup(worker: _Worker) -> None:
     worker.extensions["autograd.context"] = contexts
     worker.extensions["autograd.engine"] = engine
     worker.register(_PropagateGrads.TARGET, engine.on_propagate)
+    worker.register(_PropagateGrads.DELEGATED, engine.on_delegated_propagate)
     worker.register(_ReleaseContext.TARGET, contexts.on_release)
     worker.register(_Traverse.TARGET, engine.on_traverse)
     _install_inspect(worker)

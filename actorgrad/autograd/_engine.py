@@ -14,6 +14,14 @@ answers a PROPAGATE_GRADS only when everything it caused (its job, the stops tha
 completed, the propagations they made) has finished, so ``backward`` returns exactly
 when all gradient propagation everywhere is done, and raises the first failure.
 
+A job that ends in exactly one propagation, with nothing else left to wait for, does
+not wait to relay the answer: it passes the duty to answer along with that
+propagation (a tell carrying the caller's request id and the report so far), and the
+worker where the work ends answers the caller directly. A chain of K round trips is
+then answered by one message instead of 2K relayed ones. The duty only moves to the
+caller itself or to the worker it called, whose loss fails the caller's call at once;
+anything else is called and awaited as before.
+
 FAST mode (PyTorch's): every send entry of the context is a start. An RPC whose output
 the roots do not use leaves its send waiting; PyTorch waits forever, we finish all that
 can finish, see from the answers which send/recv pairs stayed silent, and raise
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +73,14 @@ class GraphTask:
     reported_pairs: bool = False  # FAST: this worker's pairs went into a report already
 
 
+@dataclass(slots=True, frozen=True)
+class Job:
+    """One start's ``torch.autograd`` call, and whether it is small enough for the loop."""
+
+    compute: Callable[[], Sequence[torch.Tensor | None]]
+    small: bool
+
+
 class EngineActor:
     """Runs backward jobs and answers PROPAGATE_GRADS and TRAVERSE for this worker."""
 
@@ -81,6 +97,16 @@ class EngineActor:
 
     async def plan(self, ctx: DistContext, task: GraphTask, roots: Sequence[torch.Tensor] = ()) -> Plan:
         """The task's plan, made once on the thread pool (big graphs take a while)."""
+        plan = self.plan_now(ctx, task, roots)
+        if plan is not None:
+            return plan
+        assert task.planning is not None
+        task.plan = await asyncio.shield(task.planning)
+        return task.plan
+
+    def plan_now(self, ctx: DistContext, task: GraphTask, roots: Sequence[torch.Tensor] = ()) -> Plan | None:
+        """The task's plan if it is made or small enough to make right here; otherwise
+        None, with the planning started on the pool (``task.planning``)."""
         if task.plan is not None:
             return task.plan
         if task.planning is None:
@@ -95,8 +121,7 @@ class EngineActor:
                 task.planning = self.worker.run_blocking(
                     lambda: make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
                 )
-        task.plan = await asyncio.shield(task.planning)
-        return task.plan
+        return None
 
     # -- SMART discovery ------------------------------------------------------------
     async def discover(self, ctx: DistContext, task: GraphTask, tensors: Sequence[torch.Tensor]) -> None:
@@ -190,117 +215,262 @@ class EngineActor:
         return entry
 
     def on_propagate(self, peer: Any, payload: Payload) -> Any:
+        """A PROPAGATE_GRADS call: the reply, a task making it, or None when the duty
+        to answer went along with the one propagation this one caused."""
+        owed = (peer.rank, self.worker.serving_request, self.worker.rank)
+        outcome = self._serve(PropagateGrads.load(payload), owed)
+        if outcome is None or isinstance(outcome, BackwardReport):
+            return None if outcome is None else outcome.dump()
+
+        async def reply() -> Payload | None:
+            report = await outcome
+            return None if report is None else report.dump()  # None: answered elsewhere
+
+        return reply()
+
+    def on_delegated_propagate(self, peer: Any, payload: Payload) -> None:
+        """A PROPAGATE_GRADS tell that carries the duty to answer someone's call."""
         msg = PropagateGrads.load(payload)
+        if msg.reply is None:
+            return
+        caller, request_id, _ = msg.reply
+        try:
+            outcome = self._serve(msg, msg.reply)
+        except Exception as exc:
+            self._answer(caller, request_id, exc)
+            return
+        if outcome is None:
+            return
+        if isinstance(outcome, BackwardReport):
+            self._answer(caller, request_id, outcome.dump())
+            return
+
+        async def answer_when_done() -> None:
+            try:
+                report = await outcome
+                if report is None:
+                    return  # passed along again
+                result: Payload | BaseException = report.dump()
+            except Exception as exc:
+                result = exc
+            self._answer(caller, request_id, result)
+
+        self.worker.spawn(answer_when_done())
+
+    def _answer(self, caller: int, request_id: int, result: Payload | BaseException) -> None:
+        with contextlib.suppress(Exception):  # a caller that is gone waits for nothing
+            self.worker.answer(caller, request_id, result)
+
+    def _serve(
+        self, msg: PropagateGrads, owed: tuple[int, int, int]
+    ) -> BackwardReport | Awaitable[BackwardReport | None] | None:
+        """Run the job of the send entry the gradients are for, and what it completes.
+
+        Returns the report when everything is done already, an awaitable of it, or
+        None when the duty to answer ``owed`` went along with a delegated propagation.
+        """
         ctx = self.contexts.get(msg.context_id)
         entry = self._send_entry(ctx, msg.message_id)
         entry.fired = True
         task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
         key = ("send", msg.message_id)
+        grads = list(msg.grads)
+        incoming = BackwardReport(pairs=msg.pairs or {}, fired=frozenset((*msg.fired, msg.message_id)))
+        plan = self.plan_now(ctx, task)
+        if plan is not None:
+            self._check_reached(ctx, plan, key, msg.message_id)
+            job = self._job(ctx, task, key, entry.tensors, grads)
+            if job.small:  # the common case: all of it right here, no task unless we wait
+                report, fires, stops = self._deliver(ctx, task, key, job.compute())
+                return self._conclude(ctx, task, report.merge(incoming), fires, stops, owed)
 
-        async def run() -> Payload:
+        async def run() -> BackwardReport:
             plan = await self.plan(ctx, task)
-            if key not in plan.feeds:
-                raise ContextError(
-                    f"gradients arrived for send {msg.message_id} of context {ctx.context_id}, "
-                    "which discovery did not reach"
-                )
-            report = await self.run_start(ctx, task, key, entry.tensors, list(msg.grads))
-            return report.merge(BackwardReport(pairs={}, fired=frozenset({msg.message_id}))).dump()
+            self._check_reached(ctx, plan, key, msg.message_id)
+            job = self._job(ctx, task, key, entry.tensors, grads)
+            ctx.running_backwards += 1
+            try:
+                results = job.compute() if job.small else await self.worker.run_blocking(job.compute)
+            finally:
+                ctx.running_backwards -= 1
+            report, fires, stops = self._deliver(ctx, task, key, results)
+            outcome = self._conclude(ctx, task, report.merge(incoming), fires, stops, owed)
+            if outcome is None:
+                raise _Delegated
+            return outcome if isinstance(outcome, BackwardReport) else await outcome
 
-        return run()
+        return _delegation_aware(run())
+
+    def _conclude(
+        self, ctx: DistContext, task: GraphTask, report: BackwardReport, fires: list[int],
+        stops: list[asyncio.Future[Any]], owed: tuple[int, int, int] | None,
+    ) -> BackwardReport | Awaitable[BackwardReport] | None:
+        """After a job: done (the report), wait for what it started, or pass the duty
+        to answer ``owed`` along with its only propagation (None).
+
+        The duty goes along only to the caller itself or to the worker it called, so a
+        lost worker on the way still fails the caller's call at once.
+        """
+        if not fires and not stops:
+            return report
+        if owed is not None and len(fires) == 1 and not stops:
+            recv = ctx.recvs[fires[0]]
+            if recv.peer in (owed[0], owed[2]):
+                message = self._propagation(ctx, task, fires[0], owed, report)
+                self.worker.tell(recv.peer, PropagateGrads.DELEGATED, message.dump())
+                return None
+        calls = [self._fire_recv(ctx, task, message_id) for message_id in fires]
+        return self._counted(ctx, self._gather(report, [*calls, *stops]))
+
+    @staticmethod
+    async def _counted(ctx: DistContext, waiting: Awaitable[BackwardReport]) -> BackwardReport:
+        ctx.running_backwards += 1  # a propagation here is not done while it waits
+        try:
+            return await waiting
+        finally:
+            ctx.running_backwards -= 1
+
+    @staticmethod
+    def _check_reached(ctx: DistContext, plan: Plan, key: Hashable, message_id: int) -> None:
+        if key not in plan.feeds:
+            raise ContextError(
+                f"gradients arrived for send {message_id} of context {ctx.context_id}, "
+                "which discovery did not reach"
+            )
 
     async def run_start(
         self, ctx: DistContext, task: GraphTask, key: Hashable,
         outputs: Sequence[Any], grads: Sequence[torch.Tensor | None],
     ) -> BackwardReport:
         """Run one start's job, then everything it completes, here and elsewhere."""
-        assert task.plan is not None
-        plan = task.plan
-        feeds = plan.feeds[key]
         ctx.running_backwards += 1
         try:
-            pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-            inputs: Any = feeds.inputs(plan)
-            results: Sequence[torch.Tensor | None] = [None] * len(inputs)
-            if pairs and inputs:
-                suppress = frozenset(feeds.stops)
-                # torch may run a (blanked) stop node inside this call, which must
-                # not free the buffers that node's own job needs later.
-                retain = task.retain_graph or bool(suppress)
-
-                tracer = self.worker.tracer
-                region = plan.regions.get(key, [])
-                traced = region if tracer.enabled else []
-
-                def compute() -> Sequence[torch.Tensor | None]:
-                    with suppressing(suppress), tracer.span(
-                        "backward job", "autograd",
-                        {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
-                    ), _traced_nodes(tracer, traced):
-                        return _run_backward(
-                            tuple(o for o, _ in pairs), tuple(g for _, g in pairs),
-                            retain, False, tuple(inputs), True, False,
-                        )
-
-                small = len(region) <= _INLINE_JOB_NODES and sum(
-                    g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES
-                results = compute() if small else await self.worker.run_blocking(compute)
-            # deliver this job's shares
-            it = iter(results)
-            for leaf in feeds.leaves:
-                if (grad := next(it)) is not None:
-                    ctx.accumulate(leaf, grad)
-            for _, message_id, index in feeds.recv_leaves:
-                if (grad := next(it)) is not None:
-                    _add(plan.recvs[message_id].grads, index, grad)
-            for node in feeds.stops:
-                stop = plan.stops[node]
-                for slot in stop.slots:
-                    if (grad := next(it)) is not None:
-                        _add(stop.grads, slot, grad)
-            # count them in; run or send whatever is now complete
-            followups: list[asyncio.Future[Any]] = []
-            fired = []
-            for message_id in dict.fromkeys(m for _, m, _ in feeds.recv_leaves):
-                share = plan.recvs[message_id]
-                share.pending -= 1
-                if share.pending == 0:
-                    fired.append(message_id)
-                    followups.append(self._fire_recv(ctx, task, message_id, share.grads))
-            for node in feeds.stops:
-                stop = plan.stops[node]
-                stop.pending -= 1
-                if stop.pending == 0:
-                    from torch.autograd.graph import GradientEdge
-
-                    edges = [(GradientEdge(node, s), stop.grads[s]) for s in stop.slots if s in stop.grads]
-                    stop.grads = {}
-                    followups.append(asyncio.ensure_future(self.run_start(
-                        ctx, task, node, [e for e, _ in edges], [g for _, g in edges]
-                    )))
-            pairs_here: dict[int, str] = {}
-            if task.mode == "fast" and not task.reported_pairs:  # once per worker and pass
-                task.reported_pairs = True
-                pairs_here = {m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)}
-            report = BackwardReport(pairs=pairs_here, fired=frozenset(fired))
-            for answer in await _all_or_first_error(followups):
-                if isinstance(answer, Payload):
-                    answer = BackwardReport.load(answer)
-                report = report.merge(answer)
-            return report
+            job = self._job(ctx, task, key, outputs, grads)
+            results = job.compute() if job.small else await self.worker.run_blocking(job.compute)
+            report, fires, stops = self._deliver(ctx, task, key, results)
+            calls = [self._fire_recv(ctx, task, message_id) for message_id in fires]
+            return await self._gather(report, [*calls, *stops])
         finally:
             ctx.running_backwards -= 1
 
-    def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int,
-                   grads: dict[int, torch.Tensor]) -> asyncio.Future[Payload]:
+    def _job(
+        self, ctx: DistContext, task: GraphTask, key: Hashable,
+        outputs: Sequence[Any], grads: Sequence[torch.Tensor | None],
+    ) -> Job:
+        """The torch call of one start's job (not run yet)."""
+        assert task.plan is not None
+        plan = task.plan
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+        inputs: Any = plan.feeds[key].inputs(plan)
+        if not (pairs and inputs):
+            none: Sequence[torch.Tensor | None] = [None] * len(inputs)
+            return Job(lambda: none, True)
+        suppress = frozenset(plan.feeds[key].stops)
+        # torch may run a (blanked) stop node inside this call, which must
+        # not free the buffers that node's own job needs later.
+        retain = task.retain_graph or bool(suppress)
+        tracer = self.worker.tracer
+        region = plan.regions.get(key, [])
+        traced = region if tracer.enabled else []
+
+        def compute() -> Sequence[torch.Tensor | None]:
+            with suppressing(suppress), tracer.span(
+                "backward job", "autograd",
+                {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
+            ), _traced_nodes(tracer, traced):
+                return _run_backward(
+                    tuple(o for o, _ in pairs), tuple(g for _, g in pairs),
+                    retain, False, tuple(inputs), True, False,
+                )
+
+        small = len(region) <= _INLINE_JOB_NODES and sum(
+            g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES
+        return Job(compute, small)
+
+    def _deliver(
+        self, ctx: DistContext, task: GraphTask, key: Hashable, results: Sequence[torch.Tensor | None],
+    ) -> tuple[BackwardReport, list[int], list[asyncio.Future[Any]]]:
+        """Hand a job's results to leaves, recvs and stops, and start the stops now
+        complete. Returns this worker's report, the recvs now complete (to fire) and
+        the started stops."""
+        assert task.plan is not None
+        plan = task.plan
+        feeds = plan.feeds[key]
+        it = iter(results)
+        for leaf in feeds.leaves:
+            if (grad := next(it)) is not None:
+                ctx.accumulate(leaf, grad)
+        for _, message_id, index in feeds.recv_leaves:
+            if (grad := next(it)) is not None:
+                _add(plan.recvs[message_id].grads, index, grad)
+        for node in feeds.stops:
+            stop = plan.stops[node]
+            for slot in stop.slots:
+                if (grad := next(it)) is not None:
+                    _add(stop.grads, slot, grad)
+        # count them in; the recvs now complete are to fire, the stops to run
+        followups: list[asyncio.Future[Any]] = []
+        fired = []
+        for message_id in dict.fromkeys(m for _, m, _ in feeds.recv_leaves):
+            share = plan.recvs[message_id]
+            share.pending -= 1
+            if share.pending == 0:
+                fired.append(message_id)
+        for node in feeds.stops:
+            stop = plan.stops[node]
+            stop.pending -= 1
+            if stop.pending == 0:
+                from torch.autograd.graph import GradientEdge
+
+                edges = [(GradientEdge(node, s), stop.grads[s]) for s in stop.slots if s in stop.grads]
+                stop.grads = {}
+                followups.append(asyncio.ensure_future(self.run_start(
+                    ctx, task, node, [e for e, _ in edges], [g for _, g in edges]
+                )))
+        pairs_here: dict[int, str] = {}
+        if task.mode == "fast" and not task.reported_pairs:  # once per worker and pass
+            task.reported_pairs = True
+            pairs_here = {m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)}
+        return BackwardReport(pairs=pairs_here, fired=frozenset(fired)), fired, followups
+
+    @staticmethod
+    async def _gather(report: BackwardReport, followups: list[asyncio.Future[Any]]) -> BackwardReport:
+        for answer in await _all_or_first_error(followups):
+            if isinstance(answer, Payload):
+                answer = BackwardReport.load(answer)
+            report = report.merge(answer)
+        return report
+
+    def _propagation(
+        self, ctx: DistContext, task: GraphTask, message_id: int,
+        reply: tuple[int, int, int] | None = None, report: BackwardReport | None = None,
+    ) -> PropagateGrads:
+        """The PROPAGATE_GRADS for a complete recv entry (marked fired)."""
         recv = ctx.recvs[message_id]
         recv.fired = True
-        message = PropagateGrads(
+        grads = task.plan.recvs[message_id].grads  # type: ignore[union-attr]
+        return PropagateGrads(
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
             grads=tuple(grads.get(i) for i in range(len(recv.leaves))),
-            mode=task.mode, retain_graph=task.retain_graph,
+            mode=task.mode, retain_graph=task.retain_graph, reply=reply,
+            pairs=report.pairs if report is not None else None,
+            fired=tuple(report.fired) if report is not None else (),
         )
-        return self.worker.call(recv.peer, PropagateGrads.TARGET, message.dump())
+
+    def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int) -> asyncio.Future[Payload]:
+        message = self._propagation(ctx, task, message_id)
+        return self.worker.call(ctx.recvs[message_id].peer, PropagateGrads.TARGET, message.dump())
+
+
+class _Delegated(Exception):
+    """Internal: a served propagation passed its duty to answer along."""
+
+
+async def _delegation_aware(run: Awaitable[BackwardReport]) -> BackwardReport | None:
+    try:
+        return await run
+    except _Delegated:
+        return None
 
 
 def _bind(fn: Any, *args: Any) -> Any:

@@ -15,15 +15,25 @@ class PropagateGrads(TupleMessage):
 
     Sent by the worker that executed the matching recv; answered (with a
     :class:`BackwardReport`) once every propagation this one caused has finished.
+
+    A worker whose part of a propagation ends in exactly one further propagation may
+    hand its duty to answer along: it sends that one as a tell to ``DELEGATED``
+    with ``reply`` = (caller rank, request id, rank of the worker called) and the
+    report so far (``pairs``, ``fired``), and whoever finishes the work answers the
+    caller directly (see ``Worker.answer``).
     """
 
     TARGET = "autograd.propagate"
+    DELEGATED = "autograd.propagate.delegated"
     context_id: int
     backward_id: int
     message_id: int
     grads: tuple[torch.Tensor | None, ...]
     mode: str
     retain_graph: bool
+    reply: tuple[int, int, int] | None = None
+    pairs: dict[int, str] | None = None
+    fired: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -97,6 +97,7 @@ class Worker:
         self.closed = False
         self.shutting_down = False
         self._handlers: dict[str, Handler] = {}
+        self.serving_request = 0  # request id of the call whose handler runs right now
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
         self._server: asyncio.Server | None = None
         self._store: Store | None = None
@@ -308,9 +309,25 @@ class Worker:
 
         The handler runs synchronously on the loop when the message arrives (so its
         effects are ordered like the messages); it may return a Payload (the reply), an
-        awaitable of one (run as a task), or None (for tells).
+        awaitable of one (run as a task), or None (for tells; for a call: the handler
+        passed the duty to answer on, see :meth:`answer`; so may the awaitable). While a call's handler runs,
+        ``serving_request`` is the request id of that call.
         """
         self._handlers[target] = handler
+
+    def answer(self, to: int, request_id: int, result: Payload | BaseException) -> None:
+        """Answer the call ``request_id`` that worker ``to`` made, to whichever worker.
+
+        A call handler may hand the duty to answer to another worker (the last one
+        the work travels to), which answers the caller directly instead of a chain of
+        replies back through every worker on the way. The caller's future stays tied
+        to the worker it called: losing that one still fails the call.
+        """
+        peer = self.peer(to)
+        if isinstance(result, BaseException):
+            peer.send(Failure(request_id=request_id, payload=error_payload(result)))
+        else:
+            peer.send(Result(request_id=request_id, payload=result))
 
     def on_message(self, peer: PeerProtocol, msg: Message) -> None:
         if peer.rank is None or (self.peers.get(peer.rank) is not peer and peer is not self._loopback):
@@ -352,6 +369,7 @@ class Worker:
         try:
             if handler is None:
                 raise ProtocolError(f"{self.name} has no handler for {msg.target!r}")
+            self.serving_request = msg.request_id
             reply = handler(peer, msg.payload)
         except Exception as exc:
             peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
@@ -364,10 +382,13 @@ class Worker:
             )
             peer.serving[msg.request_id] = task
 
-    async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload]) -> None:
+    async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None]) -> None:
         start = now_us() if self.tracer.enabled else 0.0
         try:
             result = await reply
+            if result is None:  # the handler passed the duty to answer on
+                peer.serving.pop(request_id, None)
+                return
             response: Message = Result(request_id=request_id, payload=result)
         except asyncio.CancelledError:
             if peer.serving.pop(request_id, None) is not None and not self.closed:

@@ -585,13 +585,13 @@ async def _moe_forward(
 async def test_fan_out_fan_in_layers_propagate_once_per_pair(make_group, monkeypatch):
     """Mixture-of-experts shape: at every layer x goes to two workers, the results rejoin."""
     calls = []
-    original = ag.autograd.EngineActor.on_propagate
+    original = ag.autograd.EngineActor._serve  # every PROPAGATE_GRADS, called or passed on
 
-    def counting(self, peer, payload):  # type: ignore[no-untyped-def]
+    def counting(self, msg, owed):  # type: ignore[no-untyped-def]
         calls.append(self.worker.rank)
-        return original(self, peer, payload)
+        return original(self, msg, owed)
 
-    monkeypatch.setattr(ag.autograd.EngineActor, "on_propagate", counting)
+    monkeypatch.setattr(ag.autograd.EngineActor, "_serve", counting)
     await make_group(3)
     layers = 8
     x = torch.rand(2, 4, requires_grad=True)
