@@ -276,6 +276,7 @@ class EngineActor:
         key = ("send", msg.message_id)
         grads = list(msg.grads)
         incoming = BackwardReport(pairs=msg.pairs or {}, fired=frozenset((*msg.fired, msg.message_id)))
+        job: Job | None = None
         plan = self.plan_now(ctx, task)
         if plan is not None:
             self._check_reached(ctx, plan, key, msg.message_id)
@@ -284,22 +285,13 @@ class EngineActor:
                 report, fires, stops = self._deliver(ctx, task, key, job.compute())
                 return self._conclude(ctx, task, report.merge(incoming), fires, stops, owed)
 
-        async def run() -> BackwardReport:
-            plan = await self.plan(ctx, task)
-            self._check_reached(ctx, plan, key, msg.message_id)
-            job = self._job(ctx, task, key, entry.tensors, grads)
-            ctx.running_backwards += 1
-            try:
-                results = job.compute() if job.small else await self.worker.run_blocking(job.compute)
-            finally:
-                ctx.running_backwards -= 1
-            report, fires, stops = self._deliver(ctx, task, key, results)
-            outcome = self._conclude(ctx, task, report.merge(incoming), fires, stops, owed)
-            if outcome is None:
-                raise _Delegated
-            return outcome if isinstance(outcome, BackwardReport) else await outcome
+        async def run() -> BackwardReport | None:
+            if job is None:
+                plan = await self.plan(ctx, task)
+                self._check_reached(ctx, plan, key, msg.message_id)
+            return await self._run_job(ctx, task, key, entry.tensors, grads, owed, incoming, job)
 
-        return _delegation_aware(run())
+        return run()
 
     def _conclude(
         self, ctx: DistContext, task: GraphTask, report: BackwardReport, fires: list[int],
@@ -343,15 +335,28 @@ class EngineActor:
         outputs: Sequence[Any], grads: Sequence[torch.Tensor | None],
     ) -> BackwardReport:
         """Run one start's job, then everything it completes, here and elsewhere."""
+        report = await self._run_job(ctx, task, key, outputs, grads)
+        assert report is not None  # nothing owed, so nothing passed on
+        return report
+
+    async def _run_job(
+        self, ctx: DistContext, task: GraphTask, key: Hashable,
+        outputs: Sequence[Any], grads: Sequence[torch.Tensor | None],
+        owed: tuple[int, int, int] | None = None, incoming: BackwardReport | None = None,
+        job: Job | None = None,
+    ) -> BackwardReport | None:
+        """One start's job (on the pool when big), then :meth:`_conclude`."""
+        job = job or self._job(ctx, task, key, outputs, grads)
         ctx.running_backwards += 1
         try:
-            job = self._job(ctx, task, key, outputs, grads)
             results = job.compute() if job.small else await self.worker.run_blocking(job.compute)
-            report, fires, stops = self._deliver(ctx, task, key, results)
-            calls = [self._fire_recv(ctx, task, message_id) for message_id in fires]
-            return await self._gather(report, [*calls, *stops])
         finally:
             ctx.running_backwards -= 1
+        report, fires, stops = self._deliver(ctx, task, key, results)
+        if incoming is not None:
+            report = report.merge(incoming)
+        outcome = self._conclude(ctx, task, report, fires, stops, owed)
+        return outcome if outcome is None or isinstance(outcome, BackwardReport) else await outcome
 
     def _job(
         self, ctx: DistContext, task: GraphTask, key: Hashable,
@@ -409,7 +414,7 @@ class EngineActor:
                 if (grad := next(it)) is not None:
                     _add(stop.grads, slot, grad)
         # count them in; the recvs now complete are to fire, the stops to run
-        followups: list[asyncio.Future[Any]] = []
+        started: list[asyncio.Future[Any]] = []
         fired = []
         for message_id in dict.fromkeys(m for _, m, _ in feeds.recv_leaves):
             share = plan.recvs[message_id]
@@ -424,14 +429,14 @@ class EngineActor:
 
                 edges = [(GradientEdge(node, s), stop.grads[s]) for s in stop.slots if s in stop.grads]
                 stop.grads = {}
-                followups.append(asyncio.ensure_future(self.run_start(
+                started.append(asyncio.ensure_future(self.run_start(
                     ctx, task, node, [e for e, _ in edges], [g for _, g in edges]
                 )))
         pairs_here: dict[int, str] = {}
         if task.mode == "fast" and not task.reported_pairs:  # once per worker and pass
             task.reported_pairs = True
             pairs_here = {m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)}
-        return BackwardReport(pairs=pairs_here, fired=frozenset(fired)), fired, followups
+        return BackwardReport(pairs=pairs_here, fired=frozenset(fired)), fired, started
 
     @staticmethod
     async def _gather(report: BackwardReport, followups: list[asyncio.Future[Any]]) -> BackwardReport:
@@ -460,17 +465,6 @@ class EngineActor:
     def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int) -> asyncio.Future[Payload]:
         message = self._propagation(ctx, task, message_id)
         return self.worker.call(ctx.recvs[message_id].peer, PropagateGrads.TARGET, message.dump())
-
-
-class _Delegated(Exception):
-    """Internal: a served propagation passed its duty to answer along."""
-
-
-async def _delegation_aware(run: Awaitable[BackwardReport]) -> BackwardReport | None:
-    try:
-        return await run
-    except _Delegated:
-        return None
 
 
 def _bind(fn: Any, *args: Any) -> Any:

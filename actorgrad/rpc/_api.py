@@ -33,7 +33,7 @@ def _on_loop(worker: Worker) -> bool:
 _INLINE_MAX_BYTES = 1 << 16
 
 
-def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor]) -> bool:
+def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor], nbytes: int | None = None) -> bool:
     """Whether ``func`` may run on the loop thread itself.
 
     Only torch and ``operator`` builtins (``torch.add``, ``operator.mul``...) applied to
@@ -46,7 +46,7 @@ def runs_inline(func: Callable[..., Any], tensors: list[torch.Tensor]) -> bool:
     module = getattr(func, "__module__", None) or getattr(getattr(func, "__self__", None), "__name__", "")
     if module not in _INLINE_MODULES:
         return False
-    return _nbytes(tensors) <= _INLINE_MAX_BYTES
+    return (_nbytes(tensors) if nbytes is None else nbytes) <= _INLINE_MAX_BYTES
 
 
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType)
@@ -127,8 +127,9 @@ def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payloa
             value = await run_user_function(worker, func, args, kwargs, inline, policy, nbytes)
             return dump_value(worker, value, peer.rank)
 
-    inline = runs_inline(func, payload.tensors) or policy.runs_inline(policy.key(func), nbytes)
-    if inline and not inspect.iscoroutinefunction(func):  # answer without a task
+    # (coroutine functions are neither builtins nor ever learned: never inline here)
+    inline = runs_inline(func, payload.tensors, nbytes) or policy.runs_inline(policy.key(func), nbytes)
+    if inline:  # answer without a task
         with hooks.scope(worker, meta):
             value = _call_inline(policy, func, args, kwargs, nbytes)
             if not inspect.isawaitable(value):

@@ -310,8 +310,8 @@ class Worker:
         The handler runs synchronously on the loop when the message arrives (so its
         effects are ordered like the messages); it may return a Payload (the reply), an
         awaitable of one (run as a task), or None (for tells; for a call: the handler
-        passed the duty to answer on, see :meth:`answer`; so may the awaitable). While a call's handler runs,
-        ``serving_request`` is the request id of that call.
+        passed the duty to answer on, see :meth:`answer`; the awaitable may end in None
+        too). While a call's handler runs, ``serving_request`` is its request id.
         """
         self._handlers[target] = handler
 
