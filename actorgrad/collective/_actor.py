@@ -37,7 +37,8 @@ import torch
 from .._errors import CollectiveError, CollectiveRankLost
 from ..runtime import Worker, get_worker
 from ..wire import Payload
-from . import _cma, _ops
+from . import _arena, _cma, _ops
+from ._arena_channel import ArenaChannel
 from ._ops import (
     Barrier,
     ChainBroadcast,
@@ -47,6 +48,7 @@ from ._ops import (
     Op,
     RingReduce,
     Scatter,
+    Sig,
     TinyAllReduce,
     byte_view,
     send_tiny,
@@ -100,6 +102,7 @@ class CollectiveActor:
         # sleep: waking a sleeping process costs more than the whole exchange on a VM
         self.spin_s = float(os.environ.get("ACTORGRAD_COLLECTIVE_SPIN_US", SPIN_US)) * 1e-6
         self.torch: Any = None  # the torch.distributed backend, once initialized
+        self.deferred: set[tuple[int, int]] = set()  # operations waiting to start (arena)
         self._next_gid = 1
         self._seq: dict[int, int] = {}
         self._ops: dict[tuple[int, int], Op] = {}
@@ -122,6 +125,7 @@ class CollectiveActor:
         worker.register(P2P_TARGET, self._on_p2p)
         worker.register(P2P_ACK_TARGET, self._on_p2p_ack)
         worker.add_lost_listener(self._on_lost)
+        self.arenas = ArenaChannel(self)
 
     # -- groups ---------------------------------------------------------------------
     def new_group(self, ranks: tuple[int, ...], backend: str) -> Group:
@@ -206,7 +210,7 @@ class CollectiveActor:
         op = self._ops.get((gid, seq))
         if op is not None:
             op.receive(peer.rank, kind, a, b, sig, ack, data)
-        elif seq >= self._seq.get(gid, 0):
+        elif seq >= self._seq.get(gid, 0) or (gid, seq) in self.deferred:
             self._early.setdefault((gid, seq), []).append((peer.rank, kind, a, b, sig, ack, data))
         # else: a straggler of an operation that already ended here
 
@@ -262,22 +266,13 @@ class CollectiveActor:
             if len(self._sigs) < 1024:
                 self._sigs[key] = sig
         nbytes = t.numel() * t.element_size()
-        if (root is None and nbytes <= self.tiny_max_bytes and t.is_cpu and t.dtype in _ops._NP
-                and t.is_contiguous()):
-            flat = (t.detach() if t.requires_grad else t).view(-1)
-            error = None
-            if not self._lost and not self.closed:  # else run() reports it
-                error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat)
-            o: Op = TinyAllReduce(self, group, seq, sig, flat, op)
-            o.sent = True  # type: ignore[attr-defined]
-            if error is not None:
-                o.fail(CollectiveError(f"{o.what()}: cannot send: {error}"), error)
-                return o.future
-            fut = self.run(o)
-            if self.spin_s > 0 and not fut.done() and group.size() <= _CPUS:
-                self.loop.call_soon(self._spin, o, self.loop.time() + self.spin_s)
-            return fut
+        if root is None and nbytes <= self.tiny_max_bytes and t.dtype in _ops._NP:
+            work, writeback = _staged(t)
+            if nbytes <= _arena.DATA_MAX and group.size() > 1:
+                return self.arenas.all_reduce(group, seq, sig, work.view(-1), op, writeback)
+            return self.tiny_tcp(group, seq, sig, work.view(-1), op, writeback).future
         work, writeback = _staged(t, copy=root is not None and root != self.worker.rank)
+        o: Op
         if nbytes >= self.ring_min_bytes and t.numel() >= group.size() and group.size() > 1:
             flat = work.view(-1)
             o = RingReduce(self, group, seq, sig, flat, op, root, self.chunk_bytes)
@@ -287,6 +282,27 @@ class CollectiveActor:
             writeback = None  # non-root tensors are left as they were
         o.after = writeback
         return self.run(o)
+
+    def tiny_tcp(self, group: Group, seq: int, sig: Sig, flat: torch.Tensor, op: ReduceOp,
+                 after: Callable[[], None] | None = None, extra: Any = 0) -> TinyAllReduce:
+        """Start a tiny all-reduce of ``flat`` (contiguous, CPU) over the connections;
+        ``after`` runs on success, ``extra`` rides in its header."""
+        if flat.requires_grad:
+            flat = flat.detach()
+        error = None
+        if not self._lost and not self.closed:  # else run() reports it
+            error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
+        o = TinyAllReduce(self, group, seq, sig, flat, op)
+        o.sent = True
+        o.extra = extra
+        o.after = after
+        if error is not None:
+            o.fail(CollectiveError(f"{o.what()}: cannot send: {error}"), error)
+            return o
+        fut = self.run(o)
+        if self.spin_s > 0 and not fut.done() and group.size() <= _CPUS:
+            self.loop.call_soon(self._spin, o, self.loop.time() + self.spin_s)
+        return o
 
     def broadcast(self, group: Group, t: torch.Tensor, src: int) -> asyncio.Future[Any]:
         seq = self.next_seq(group)
@@ -538,6 +554,7 @@ class CollectiveActor:
         self._p2p_acks.clear()
         self._early.clear()
         self._p2p_queue.clear()
+        self.arenas.close()
         if self.torch is not None:
             self.torch.close()
         if self._sweeper is not None:

@@ -43,6 +43,7 @@ every rank ends with bitwise identical results.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ import torch
 
 from .._errors import CollectiveError
 from ..wire import Payload, Tell
+from ._arena import Arena
 from ._cma import RemoteRef
 from ._types import Group, ReduceOp
 
@@ -69,6 +71,7 @@ K_AG = 3  # ring all-gather: a = step, b = chunk
 K_ROOT = 4  # ring reduce: a = segment, b = chunk, sent to the root
 K_CHAIN = 5  # chain broadcast: b = chunk
 K_ACK = 6  # "I have all my data" answer to a flagged message
+K_FAIL = 7  # the operation failed on the sender: ref is the error text (utf-8)
 
 INLINE_MAX_BYTES = 8 << 10  # smaller data travels inside the pickled header
 CMA_MIN_BYTES = 64 << 10  # larger data goes through CMA where the peer can use it
@@ -91,6 +94,14 @@ _TORCH_OPS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
     ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
 }
+# the same elementwise operations on numpy arrays (cheaper for a few elements; every
+# binary step rounds like torch's: float16 is computed in float32 and rounded per step)
+_NUMPY_OPS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+}
+
+
 def to_bytes(t: torch.Tensor) -> bytes:
     """A copy of the bytes of a contiguous CPU tensor."""
     if t.dtype in _NP:
@@ -310,6 +321,9 @@ class Op:
             self.acks_needed.discard(src)
             self._maybe_finish()
             return
+        if kind == K_FAIL:
+            self.fail(CollectiveError(f"{self.what()}: failed on rank {src}: {bytes(data).decode()}"))  # type: ignore[arg-type]
+            return
         if sig is not None:
             if sig != self.sig_bytes:
                 self.fail(CollectiveError(
@@ -371,6 +385,7 @@ class Op:
         if cause is not None:
             exc.__cause__ = cause
         self.actor.forget(self)
+        self.actor.arenas.skip(self.gid, self.seq)
         if not self.future.done():
             self.future.set_exception(exc)
 
@@ -427,10 +442,11 @@ class DirectReduce(Op):
 
 
 def send_tiny(worker: Any, members: tuple[int, ...], gid: int, seq: int, sig: bytes,
-              flat: torch.Tensor) -> Exception | None:
+              flat: torch.Tensor, extra: Any = 0) -> Exception | None:
     """Send a tiny all-reduce contribution to every other member at once (the first
-    thing an all-reduce does, so the peers can start on it while we set up)."""
-    header = (gid, seq, K_DATA, 0, 0, sig, False, flat.numpy().tobytes())
+    thing an all-reduce does, so the peers can start on it while we set up).
+    ``extra`` rides along in the header (the shared-memory arena's negotiation)."""
+    header = (gid, seq, K_DATA, extra, 0, sig, False, flat.numpy().tobytes())
     tell = Tell(target=MSG_TARGET, payload=Payload(pickle.dumps(header, protocol=5)))
     peers = worker.peers
     me = worker.rank
@@ -464,10 +480,13 @@ class TinyAllReduce(Op):
         self.parts: list[Any] = [None] * self.n
         self.got = 0
         self.sent = False  # send_tiny() already ran (before this object was built)
+        self.extra: Any = 0  # sent in the header (arena negotiation)
+        self.extras: dict[int, Any] = {}  # the other members' ``extra``
 
     def start(self) -> None:
         if not self.sent:
-            error = send_tiny(self.worker, self.members, self.gid, self.seq, self.sig_bytes, self.flat)
+            error = send_tiny(self.worker, self.members, self.gid, self.seq, self.sig_bytes, self.flat,
+                              self.extra)
             if error is not None:
                 self.fail(CollectiveError(f"{self.what()}: {error}"), error)
 
@@ -479,6 +498,8 @@ class TinyAllReduce(Op):
             Op.receive(self, src, kind, a, b, sig, ack, data)  # reports the mismatch
             return
         self.parts[self.members.index(src)] = data
+        if a:
+            self.extras[src] = a
         self.got += 1
         if self.got == self.n - 1:
             self.missing.clear()
@@ -500,6 +521,94 @@ class TinyAllReduce(Op):
             out.div_(self.n)
         if out is not flat:
             flat.copy_(out)
+
+
+class ArenaAllReduce(Op):
+    """The tiny all-reduce through the group's shared-memory arena (``_arena``).
+
+    The collective actor writes this rank's contribution when the slot is free, polls
+    until every member's is there, and calls ``finish``: signatures are compared (every
+    member sees every signature, so all fail together on a mismatch) and the
+    contributions are reduced in rank order, in place in the arena, into the tensor.
+    A message over the connection for this operation means its sender took another
+    path (a different call): it gets our signature and the others a failure notice.
+    """
+
+    def __init__(self, actor: CollectiveActor, group: Group, seq: int, sig: Sig,
+                 t: torch.Tensor, op: ReduceOp, arena: Arena) -> None:
+        super().__init__(actor, group, seq, sig)
+        self.flat = t.view(-1)
+        self.op = op
+        self.arena = arena
+        self.index = seq  # names the operation (and its slot) in the arena
+        self.written = False
+        self.ready = False  # every contribution is in the arena
+        self.missing.clear()  # validation happens in the arena
+
+    def write(self) -> None:
+        self.arena.write(self.index, self.sig_bytes, self.flat)
+        self.written = True
+
+    def finish(self) -> None:
+        """Every contribution is there: validate, reduce, complete."""
+        arena, sig = self.arena, self.sig_bytes
+        if not arena.same_sigs(self.index, sig):
+            for r in range(self.n):
+                if r != self.me and not arena.same_sig(r, self.index, sig):
+                    theirs = arena.sig(r, self.index)
+                    called = describe(pickle.loads(theirs)) if not theirs.startswith(b"#") else "another operation"
+                    self.fail(CollectiveError(
+                        f"{self.what()}: rank {self.members[r]} called {called} but rank {self.rank} "
+                        f"called {describe(self.sig)}; every member of the group must call the "
+                        "same collectives in the same order with matching tensors"
+                    ))
+                    return
+        self.ready = True
+        self.check()
+
+    def data_complete(self) -> bool:
+        return self.ready
+
+    def complete(self) -> None:
+        flat = self.flat
+        out = flat.numpy()  # the contributions are read from the arena, so ``flat`` is free
+        parts = self.arena.views(self.index, out.dtype, out.size)
+        fn = _NUMPY_OPS[self.op]
+        fn(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            fn(out, part, out=out)
+        if self.op is ReduceOp.AVG:
+            flat.div_(self.n)
+
+    def receive(self, src: int, kind: int, a: int, b: int, sig: bytes | None, ack: bool,
+                data: Data) -> None:
+        if self.done:
+            return
+        if kind != K_FAIL:
+            # the sender runs another algorithm: a different call. Make sure it learns
+            # the mismatch, and that the members waiting in the arena learn it too.
+            self.send(src, K_HEADER, sig=True)
+            Op.receive(self, src, kind, a, b, sig, ack, data)
+            if self.done:
+                text = str(self.future.exception()).encode() if not self.future.cancelled() else b"cancelled"
+                for r in self.members:
+                    if r not in (self.rank, src):
+                        send_fail(self.worker, r, self.gid, self.seq, text)
+            return
+        Op.receive(self, src, kind, a, b, sig, ack, data)
+
+    def waiting_for(self) -> str:
+        if not self.written:
+            return "a free slot in the shared-memory arena (a member is behind)"
+        missing = [self.members[r] for r in self.arena.missing(self.index)]
+        return f"the contributions of ranks {missing} (shared memory)"
+
+
+def send_fail(worker: Any, dst: int, gid: int, seq: int, text: bytes) -> None:
+    """Tell ``dst`` that operation (gid, seq) failed here (best effort)."""
+    header = (gid, seq, K_FAIL, 0, 0, None, False, text)
+    with contextlib.suppress(Exception):  # a peer that is gone has nothing to learn
+        worker.tell(dst, MSG_TARGET, Payload(pickle.dumps(header, protocol=5)))
 
 
 class RingReduce(Op):

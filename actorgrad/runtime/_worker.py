@@ -130,6 +130,11 @@ class Worker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.name, self.rank)
 
+    @property
+    def pool_busy(self) -> bool:
+        """Whether the thread pool runs a job (a polling loop would take its GIL)."""
+        return bool(self._pool.in_flight)
+
     def resolve(self, to: PeerRef) -> WorkerInfo:
         """The :class:`WorkerInfo` for a name, rank or WorkerInfo of this group."""
         cls = type(to)

@@ -1,0 +1,261 @@
+"""The shared-memory arena of tiny all-reduces: the memory layout on its own, then the
+negotiation, the results (against values computed locally), failures and wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from collective_helpers import run_all, run_all_settled
+
+import actorgrad as ag
+import actorgrad.collective as C
+from actorgrad import CollectiveError
+from actorgrad.collective import ReduceOp
+from actorgrad.collective import _arena
+from actorgrad.collective._actor import actor
+from actorgrad.collective._arena import SLOTS, Arena
+from actorgrad.testing import InProcessGroup
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run on subprocess workers
+pytestmark = pytest.mark.skipif(not _arena.supported(), reason="no shared-memory arena on this machine")
+
+WARM_UP = 2  # the tiny all-reduces that negotiate the arena
+
+
+# -- the memory layout ------------------------------------------------------------------
+def test_arena_layout_write_read_and_reuse() -> None:
+    creator, path, token = Arena.create(3, 0)
+    others = [Arena.attach(path, token, 3, me) for me in (1, 2)]
+    assert all(a is not None for a in others)
+    arenas = [creator, *others]  # type: ignore[list-item]
+    assert Arena.attach(path, b"x" * len(token), 3, 1) is None  # not that arena
+    assert Arena.attach(path, token, 4, 1) is None  # another size: another group
+    assert Arena.attach("/proc/self/fd/999999", token, 3, 1) is None
+    sig = b"the signature"
+    for i in range(2 * SLOTS + 1):
+        for me, a in enumerate(arenas):
+            assert a.can_write(i)
+            assert not a.ready(i) if me == 0 else True
+            a.write(i, sig, torch.tensor([float(me + i)]))
+        assert all(a.ready(i) and a.same_sigs(i, sig) for a in arenas)
+        for a in arenas:
+            views = a.views(i, torch.tensor([0.0]).numpy().dtype, 1)
+            assert [float(v[0]) for v in views] == [float(r + i) for r in range(3)]
+        # nobody read operation i yet: its slot is taken for operation i + SLOTS
+        assert not creator.can_write(i + SLOTS)
+        for a in arenas:
+            a.mark_done(i)
+        assert creator.can_write(i + SLOTS)
+    arenas[2].write(2 * SLOTS + 1, b"another", torch.tensor([0.0]))
+    assert arenas[0].missing(2 * SLOTS + 1) == [0, 1]
+    assert not arenas[2].same_sig(0, 2 * SLOTS, b"another")
+    assert arenas[2].sig(1, 2 * SLOTS) == sig
+    arenas[1].set_sleeping(True)
+    assert arenas[0].sleepers() == [1] and arenas[1].sleepers() == []
+    for a in arenas:
+        a.close()
+
+
+# -- on a group of workers --------------------------------------------------------------
+async def _warm_up(group: InProcessGroup, g: Any = None) -> None:
+    async def body(rank: int) -> None:
+        for _ in range(WARM_UP):
+            await C.all_reduce(torch.ones(1), group=g)
+
+    await run_all(group, body)
+
+
+def _expected(values: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    acc = values[0].clone()
+    for v in values[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            acc = acc + v
+        elif op is ReduceOp.PRODUCT:
+            acc = acc * v
+        elif op is ReduceOp.MIN:
+            acc = torch.minimum(acc, v)
+        else:
+            acc = torch.maximum(acc, v)
+    return acc / len(values) if op is ReduceOp.AVG else acc
+
+
+def _value(rank: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 4).to(dtype)
+    return torch.randint(-50, 50, shape, generator=gen).to(dtype)
+
+
+async def test_arena_takes_over_and_matches_local_values(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(4)
+    await _warm_up(group)
+    assert all(actor(w).arenas.active(0) for w in group.workers)
+    cases = [(dtype, op) for dtype in (torch.float32, torch.float64, torch.float16)
+             for op in ReduceOp] + [(torch.int64, op) for op in ReduceOp if op is not ReduceOp.AVG]
+    cases += [(torch.bool, ReduceOp.MAX), (torch.bool, ReduceOp.MIN), (torch.int8, ReduceOp.SUM)]
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        out = []
+        for dtype, op in cases:
+            t = _value(rank, dtype, (3, 5))
+            await C.all_reduce(t, op=op)
+            out.append(t)
+        # a non-contiguous tensor is staged and written back; the rest is untouched
+        base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank
+        view = base[:, 1]
+        await C.all_reduce(view)
+        out.append(base)
+        return out
+
+    results = await run_all(group, body)
+    for k, (dtype, op) in enumerate(cases):
+        want = _expected([_value(r, dtype, (3, 5)) for r in range(4)], op)
+        for r in range(4):
+            assert results[r][k].dtype == dtype
+            assert torch.equal(results[r][k], results[0][k]), (dtype, op)  # bitwise identical
+            torch.testing.assert_close(results[r][k], want, msg=f"{dtype} {op}")
+    bases = [torch.arange(12, dtype=torch.float32).reshape(3, 4) + r for r in range(4)]
+    for r in range(4):
+        want = bases[r].clone()
+        want[:, 1] = sum(b[:, 1] for b in bases)
+        assert torch.equal(results[r][-1], want)
+
+
+async def test_more_operations_in_flight_than_slots_and_two_groups(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(4)
+
+    async def body(rank: int) -> tuple[list[float], list[float], bool]:
+        pair = C.new_group([0, 1]) if rank < 2 else C.new_group([2, 3])
+        C.new_group([2, 3]) if rank < 2 else C.new_group([0, 1])  # every worker creates both
+        world_ts = [torch.tensor([float(rank * 10 + k)]) for k in range(3 * SLOTS)]
+        pair_ts = [torch.tensor([float(rank + k)]) for k in range(3 * SLOTS)]
+        # launched before any of them is awaited: the negotiation's answers are not
+        # known when the later ones start, so they wait for them
+        works = []
+        for w, p in zip(world_ts, pair_ts, strict=True):
+            works.append(await C.all_reduce(w, async_op=True))
+            works.append(await C.all_reduce(p, group=pair, async_op=True))
+        for work in works:
+            await work.wait()  # type: ignore[union-attr]
+        return [t.item() for t in world_ts], [t.item() for t in pair_ts], actor().arenas.active(pair.id)
+
+    results = await run_all(group, body)
+    for rank, (world_vals, pair_vals, pair_active) in enumerate(results):
+        assert world_vals == [float(sum(r * 10 + k for r in range(4))) for k in range(3 * SLOTS)]
+        mates = (0, 1) if rank < 2 else (2, 3)
+        assert pair_vals == [float(sum(r + k for r in mates)) for k in range(3 * SLOTS)]
+        assert pair_active
+    assert all(actor(w).arenas.active(0) for w in group.workers)
+
+
+async def test_a_member_without_the_arena_keeps_everyone_on_the_connections(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(3)
+    actor(group.workers[1]).arenas.enabled = False
+
+    async def body(rank: int) -> list[float]:
+        out = []
+        for k in range(WARM_UP + 3):
+            t = torch.tensor([float(rank + k)])
+            await C.all_reduce(t)
+            out.append(t.item())
+        return out
+
+    results = await run_all(group, body)
+    assert results == [[float(3 * k + 3) for k in range(WARM_UP + 3)]] * 3
+    assert not any(actor(w).arenas.active(0) for w in group.workers)
+
+
+@pytest.mark.parametrize("kind", ["shape", "op", "large"])
+async def test_mismatch_in_the_arena_raises_on_every_rank(make_group: Any, kind: str) -> None:
+    group: InProcessGroup = await make_group(4)
+    await _warm_up(group)
+
+    async def body(rank: int) -> None:
+        odd = rank == 2
+        if kind == "shape" and odd:
+            await C.all_reduce(torch.ones(3))
+        elif kind == "op" and odd:
+            await C.all_reduce(torch.ones(2), op=ReduceOp.MAX)
+        elif kind == "large" and odd:
+            await C.all_reduce(torch.ones(200_000))
+        else:
+            await C.all_reduce(torch.ones(2))
+
+    start = time.monotonic()
+    results = await run_all_settled(group, body, timeout=20)
+    assert time.monotonic() - start < 10
+    for r in results:
+        assert isinstance(r, CollectiveError), r
+        assert "rank 2" in str(r) or "shape=(200000,)" in str(r), r
+
+    async def again(rank: int) -> float:  # the group goes on working
+        t = torch.tensor([float(rank)])
+        await C.all_reduce(t)
+        return t.item()
+
+    assert await run_all(group, again) == [6.0] * 4
+
+
+async def test_a_late_member_wakes_the_sleepers(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(3)
+    await _warm_up(group)
+
+    async def body(rank: int) -> list[float]:
+        out = []
+        for k in range(3):
+            if rank == 2:
+                await asyncio.sleep(0.03)  # far beyond the others' polling: they sleep
+            t = torch.tensor([float(rank * k)])
+            await C.all_reduce(t)
+            out.append(t.item())
+        return out
+
+    assert await run_all(group, body) == [[0.0, 3.0, 6.0]] * 3
+
+
+# -- a member that dies ------------------------------------------------------------------
+async def _install() -> None:
+    actor()
+
+
+async def _tiny_all_reduces(count: int, delay: float) -> str:
+    """On a subprocess worker: ``count`` tiny all-reduces, the last after ``delay``."""
+    try:
+        for k in range(count):
+            if k == count - 1:
+                await asyncio.sleep(delay)
+            await C.all_reduce(torch.ones(2))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"ok {actor().arenas.active(0)}"
+
+
+@pytest.mark.slow
+async def test_a_dead_member_fails_the_others_waiting_in_the_arena(make_process_group: Any) -> None:
+    group = await make_process_group(3)
+    await asyncio.gather(*(ag.rpc_async(f"worker{r}", _install) for r in (1, 2)))
+    warm = [ag.rpc_async(f"worker{r}", _tiny_all_reduces, args=(WARM_UP + 1, 0.0)) for r in (1, 2)]
+    for _ in range(WARM_UP + 1):
+        await C.all_reduce(torch.ones(2))
+    assert await asyncio.gather(*warm) == ["ok True"] * 2
+    survivor = ag.rpc_async("worker1", _tiny_all_reduces, args=(1, 0.0))
+    late = ag.rpc_async("worker2", _tiny_all_reduces, args=(1, 30.0))
+    mine = asyncio.ensure_future(C.all_reduce(torch.ones(2)))
+    await asyncio.sleep(0.3)
+    start = time.monotonic()
+    group.kill(2)
+    with pytest.raises(CollectiveError, match="rank 2"):
+        await asyncio.wait_for(mine, 10)
+    other = await asyncio.wait_for(survivor, 10)
+    assert time.monotonic() - start < 10
+    assert "rank 2" in other and other.startswith(("CollectiveError", "CollectiveRankLost")), other
+    with pytest.raises(ag.ActorgradError):
+        await late
