@@ -55,9 +55,9 @@ SPIN_US = 2000  # polling without progress this long makes a member sleep
 class _GroupArena:
     """The negotiation state and the running arena operations of one group."""
 
-    def __init__(self, group: Group, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, group: Group, rank: int, loop: asyncio.AbstractEventLoop) -> None:
         self.group = group
-        self.me = group.ranks.index  # bound method; called with the worker's rank
+        self.me = group.ranks.index(rank)  # this worker's rank in the group
         self.count = 0  # tiny all-reduces started on the group
         self.arena: Arena | None = None
         self.active = False
@@ -97,7 +97,7 @@ class ArenaChannel:
         success before the future resolves (the write-back of a staged tensor)."""
         st = self._groups.get(group.id)
         if st is None:
-            st = self._groups[group.id] = _GroupArena(group, self.loop)
+            st = self._groups[group.id] = _GroupArena(group, self.worker.rank, self.loop)
             if not self.enabled:  # we answer "no" in the second: decided already
                 st.offered.set_result(None)
                 st.decided.set_result(None)
@@ -134,7 +134,7 @@ class ArenaChannel:
     def _offer(self, st: _GroupArena, seq: int, sig: Sig, work: torch.Tensor, op: ReduceOp,
                after: Callable[[], None] | None) -> asyncio.Future[Any]:
         extra: Any = 0
-        if self.enabled and st.me(self.worker.rank) == 0:
+        if self.enabled and st.me == 0:
             try:
                 st.arena, path, token = Arena.create(st.group.size(), 0)
                 extra = (path, token)
@@ -150,7 +150,7 @@ class ArenaChannel:
             offer = o.extras.get(leader) if _succeeded(o.future) else None
             if leader != self.worker.rank and isinstance(offer, tuple) and len(offer) == 2:
                 path, token = offer
-                st.arena = Arena.attach(path, token, st.group.size(), st.me(self.worker.rank))
+                st.arena = Arena.attach(path, token, st.group.size(), st.me)
             st.offered.set_result(None)
 
     def _confirm(self, st: _GroupArena, seq: int, sig: Sig, work: torch.Tensor, op: ReduceOp,
@@ -270,7 +270,7 @@ class ArenaChannel:
     def _poll(self) -> None:
         self._handle = None
         self._timer = False
-        if len(self._busy) == 1 and not self._timer:
+        if len(self._busy) == 1:
             # the common case, kept cheap: one group, its oldest operation still waiting
             st = next(iter(self._busy.values()))
             head = st.queue[0] if st.queue else None
