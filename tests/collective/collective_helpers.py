@@ -6,6 +6,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
+
+from actorgrad.collective import ReduceOp
 from actorgrad.collective._actor import actor
 from actorgrad.testing import InProcessGroup
 
@@ -30,3 +33,20 @@ def tune(group: InProcessGroup, **attrs: Any) -> None:
         a = actor(w)
         for k, v in attrs.items():
             setattr(a, k, v)
+
+
+def expected(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The reduction of ``tensors`` computed locally, in rank order (the oracle)."""
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            out = out + t
+        elif op is ReduceOp.PRODUCT:
+            out = out * t
+        elif op is ReduceOp.MIN:
+            out = torch.minimum(out, t)
+        else:
+            out = torch.maximum(out, t)
+    if op is ReduceOp.AVG:
+        out = out / len(tensors)
+    return out

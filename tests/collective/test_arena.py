@@ -11,13 +11,12 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
-from collective_helpers import run_all, run_all_settled
+from collective_helpers import expected, run_all, run_all_settled
 
 import actorgrad as ag
 import actorgrad.collective as C
 from actorgrad import CollectiveError
-from actorgrad.collective import ReduceOp
-from actorgrad.collective import _arena
+from actorgrad.collective import ReduceOp, _arena
 from actorgrad.collective._actor import actor
 from actorgrad.collective._arena import SLOTS, Arena
 from actorgrad.testing import InProcessGroup
@@ -71,20 +70,6 @@ async def _warm_up(group: InProcessGroup, g: Any = None) -> None:
     await run_all(group, body)
 
 
-def _expected(values: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
-    acc = values[0].clone()
-    for v in values[1:]:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
-            acc = acc + v
-        elif op is ReduceOp.PRODUCT:
-            acc = acc * v
-        elif op is ReduceOp.MIN:
-            acc = torch.minimum(acc, v)
-        else:
-            acc = torch.maximum(acc, v)
-    return acc / len(values) if op is ReduceOp.AVG else acc
-
-
 def _value(rank: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 + rank)
     if dtype == torch.bool:
@@ -117,7 +102,7 @@ async def test_arena_takes_over_and_matches_local_values(make_group: Any) -> Non
 
     results = await run_all(group, body)
     for k, (dtype, op) in enumerate(cases):
-        want = _expected([_value(r, dtype, (3, 5)) for r in range(4)], op)
+        want = expected(op, [_value(r, dtype, (3, 5)) for r in range(4)])
         for r in range(4):
             assert results[r][k].dtype == dtype
             assert torch.equal(results[r][k], results[0][k]), (dtype, op)  # bitwise identical

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from collective_helpers import run_all, tune
+from collective_helpers import expected, run_all, tune
 from torch.testing import assert_close
 
 import actorgrad.collective as C
@@ -26,22 +26,6 @@ def inp(rank: int, shape: tuple[int, ...] = (3, 5), dtype: torch.dtype = torch.f
             t = 1 + 0.1 * t
         return t.to(dtype)
     return torch.randint(-50, 50, shape, generator=g).to(dtype)
-
-
-def expected(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
-    out = tensors[0].clone()
-    for t in tensors[1:]:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
-            out = out + t
-        elif op is ReduceOp.PRODUCT:
-            out = out * t
-        elif op is ReduceOp.MIN:
-            out = torch.minimum(out, t)
-        else:
-            out = torch.maximum(out, t)
-    if op is ReduceOp.AVG:
-        out = out / len(tensors)
-    return out
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))
