@@ -292,9 +292,7 @@ class CollectiveActor:
         error = None
         if not self._lost and not self.closed:  # else run() reports it
             error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
-        o = TinyAllReduce(self, group, seq, sig, flat, op)
-        o.sent = True
-        o.extra = extra
+        o = TinyAllReduce(self, group, seq, sig, flat, op)  # its messages are out already
         o.after = after
         if error is not None:
             o.fail(CollectiveError(f"{o.what()}: cannot send: {error}"), error)

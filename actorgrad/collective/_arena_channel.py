@@ -202,20 +202,20 @@ class ArenaChannel:
         for o in st.queue:
             if o.written or o.done:
                 continue
-            if not arena.can_write(o.index):
+            if not arena.can_write(o.seq):
                 break
             o.write()
             progressed = True
-            if arena.ready(o.index):
+            if arena.ready(o.seq):
                 self._nudge(st, arena)
         queue = st.queue
         while queue:
             o = queue[0]
             if not o.done:
-                if not o.written or not arena.ready(o.index):
+                if not o.written or not arena.ready(o.seq):
                     break
                 o.finish()
-            arena.mark_done(o.index)
+            arena.mark_done(o.seq)
             queue.popleft()
             progressed = True
         return progressed
@@ -275,7 +275,7 @@ class ArenaChannel:
             st = next(iter(self._busy.values()))
             head = st.queue[0] if st.queue else None
             if (head is not None and head.written and not head.done and st.arena is not None
-                    and not st.arena.ready(head.index) and not st.sleeping
+                    and not st.arena.ready(head.seq) and not st.sleeping
                     and self.loop.time() < self._spin_until and not self.worker.pool_busy):
                 os.sched_yield()
                 self._handle = self.loop.call_soon(self._poll)

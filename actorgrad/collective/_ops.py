@@ -326,11 +326,7 @@ class Op:
             return
         if sig is not None:
             if sig != self.sig_bytes:
-                self.fail(CollectiveError(
-                    f"{self.what()}: rank {src} called {describe(pickle.loads(sig))} but rank {self.rank} "
-                    f"called {describe(self.sig)}; every member of the group must call the "
-                    "same collectives in the same order with matching tensors"
-                ))
+                self.fail(self.mismatch(src, describe(pickle.loads(sig))))
                 return
             self.missing.discard(src)
         if ack:
@@ -388,6 +384,14 @@ class Op:
         self.actor.arenas.skip(self.gid, self.seq)
         if not self.future.done():
             self.future.set_exception(exc)
+
+    def mismatch(self, src: int, called: str) -> CollectiveError:
+        """The error for global rank ``src`` having called ``called`` instead."""
+        return CollectiveError(
+            f"{self.what()}: rank {src} called {called} but rank {self.rank} called "
+            f"{describe(self.sig)}; every member of the group must call the same "
+            "collectives in the same order with matching tensors"
+        )
 
     def waiting_for(self) -> str:
         if self.missing:
@@ -468,8 +472,9 @@ class TinyAllReduce(Op):
     """The latency path: an all-reduce of a few bytes (numpy dtype, CPU, contiguous).
 
     One pickled header carrying the data goes to every other member (the same bytes
-    for all); the contributions are reduced in rank order straight into the tensor.
-    Validation is the signature inside every message, as in DirectReduce.
+    for all; ``send_tiny``, called before this object is built, so its ``start`` has
+    nothing to send); the contributions are reduced in rank order straight into the
+    tensor. Validation is the signature inside every message, as in DirectReduce.
     """
 
     def __init__(self, actor: CollectiveActor, group: Group, seq: int, sig: Sig,
@@ -479,16 +484,7 @@ class TinyAllReduce(Op):
         self.op = op
         self.parts: list[Any] = [None] * self.n
         self.got = 0
-        self.sent = False  # send_tiny() already ran (before this object was built)
-        self.extra: Any = 0  # sent in the header (arena negotiation)
-        self.extras: dict[int, Any] = {}  # the other members' ``extra``
-
-    def start(self) -> None:
-        if not self.sent:
-            error = send_tiny(self.worker, self.members, self.gid, self.seq, self.sig_bytes, self.flat,
-                              self.extra)
-            if error is not None:
-                self.fail(CollectiveError(f"{self.what()}: {error}"), error)
+        self.extras: dict[int, Any] = {}  # the other members' ``extra`` (send_tiny)
 
     def receive(self, src: int, kind: int, a: int, b: int, sig: bytes | None, ack: bool,
                 data: Data) -> None:
@@ -540,28 +536,23 @@ class ArenaAllReduce(Op):
         self.flat = t.view(-1)
         self.op = op
         self.arena = arena
-        self.index = seq  # names the operation (and its slot) in the arena
         self.written = False
         self.ready = False  # every contribution is in the arena
         self.missing.clear()  # validation happens in the arena
 
     def write(self) -> None:
-        self.arena.write(self.index, self.sig_bytes, self.flat)
+        self.arena.write(self.seq, self.sig_bytes, self.flat)
         self.written = True
 
     def finish(self) -> None:
         """Every contribution is there: validate, reduce, complete."""
         arena, sig = self.arena, self.sig_bytes
-        if not arena.same_sigs(self.index, sig):
+        if not arena.same_sigs(self.seq, sig):
             for r in range(self.n):
-                if r != self.me and not arena.same_sig(r, self.index, sig):
-                    theirs = arena.sig(r, self.index)
+                if r != self.me and not arena.same_sig(r, self.seq, sig):
+                    theirs = arena.sig(r, self.seq)
                     called = describe(pickle.loads(theirs)) if not theirs.startswith(b"#") else "another operation"
-                    self.fail(CollectiveError(
-                        f"{self.what()}: rank {self.members[r]} called {called} but rank {self.rank} "
-                        f"called {describe(self.sig)}; every member of the group must call the "
-                        "same collectives in the same order with matching tensors"
-                    ))
+                    self.fail(self.mismatch(self.members[r], called))
                     return
         self.ready = True
         self.check()
@@ -572,7 +563,7 @@ class ArenaAllReduce(Op):
     def complete(self) -> None:
         flat = self.flat
         out = flat.numpy()  # the contributions are read from the arena, so ``flat`` is free
-        parts = self.arena.views(self.index, out.dtype, out.size)
+        parts = self.arena.views(self.seq, out.dtype, out.size)
         fn = _NUMPY_OPS[self.op]
         fn(parts[0], parts[1], out=out)
         for part in parts[2:]:
@@ -600,7 +591,7 @@ class ArenaAllReduce(Op):
     def waiting_for(self) -> str:
         if not self.written:
             return "a free slot in the shared-memory arena (a member is behind)"
-        missing = [self.members[r] for r in self.arena.missing(self.index)]
+        missing = [self.members[r] for r in self.arena.missing(self.seq)]
         return f"the contributions of ranks {missing} (shared memory)"
 
 
