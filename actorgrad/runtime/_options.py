@@ -54,6 +54,10 @@ class RpcOptions:
             sleeping for this many microseconds, so a quick answer is picked up
             without the cost of waking the process. ``0`` turns polling off; a quiet
             worker sleeps either way.
+        local_sockets: connect to workers on the same host (same kernel and network
+            namespace) through a Unix domain socket instead of loopback TCP: the
+            same messages, about half the latency. Off when TLS is configured, so
+            that every connection is encrypted as asked; ``False`` keeps TCP.
         socket_buffer_bytes: kernel send and receive buffer of each peer connection
             (``SO_SNDBUF``/``SO_RCVBUF``; the kernel caps it at ``net.core.wmem_max``
             / ``rmem_max``); ``0`` keeps the system's default and its autotuning.
@@ -76,6 +80,7 @@ class RpcOptions:
     trace: bool = False
     inline_functions: bool = True
     spin_us: int = 500
+    local_sockets: bool = True
     socket_buffer_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:

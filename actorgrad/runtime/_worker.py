@@ -44,7 +44,7 @@ from ..wire import (
     Result,
     Tell,
 )
-from . import _current
+from . import _current, _local
 from ._calls import CallFuture, PendingCalls
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool
@@ -100,6 +100,7 @@ class Worker:
         self.serving_request = 0  # request id of the call whose handler runs right now
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
         self._server: asyncio.Server | None = None
+        self._local_server: asyncio.Server | None = None
         self._store: Store | None = None
         self._store_server: StoreServer | None = None
         self._connections: set[PeerProtocol] = set()
@@ -174,6 +175,11 @@ class Worker:
             backlog=1024,
         )
         listen_port = self._server.sockets[0].getsockname()[1]
+        local = None
+        if opts.local_sockets and opts.ssl_context is None:
+            local = await _local.listen(self.loop, self._accept)
+            if local is not None:
+                self._local_server = local[0]
         advertise = opts.advertise_host or opts.listen_host
         if advertise in ("0.0.0.0", "::", ""):
             advertise = host if scheme == "tcp" else socket.gethostname()
@@ -196,15 +202,19 @@ class Worker:
             for rank in range(self.world_size):
                 if rank != self.rank:
                     self._peer_waiters[rank] = self.loop.create_future()
-            me = {"name": self.name, "host": advertise, "port": listen_port}
+            me: dict[str, Any] = {"name": self.name, "host": advertise, "port": listen_port}
+            if local is not None:
+                me["local"] = [local[1], _local.host_identity()]
             await self._store.set(f"worker/{self.rank}", json.dumps(me))
             entries = await self._until(deadline, self._store.wait_prefix("worker/", self.world_size), "all workers to join the rendezvous")
             addresses: dict[int, tuple[str, int]] = {}
+            local_addresses: dict[int, Any] = {}
             for key, value in entries.items():
                 entry = json.loads(value)
                 rank = int(key.split("/", 1)[1])
                 self.infos[rank] = WorkerInfo(entry["name"], rank)
                 addresses[rank] = (entry["host"], int(entry["port"]))
+                local_addresses[rank] = entry.get("local")
             names = [i.name for i in self.infos.values()]
             if len(set(names)) != len(names):
                 raise ValueError(f"worker names must be unique, got {sorted(names)}")
@@ -212,7 +222,7 @@ class Worker:
                 if proto.name != self.infos[rank].name:
                     proto.abort(ProtocolError(f"peer {proto.name!r} is not rank {rank}'s worker"))
             # Lower ranks accept, higher ranks connect: exactly one connection per pair.
-            connects = [self._connect(addresses[r], r) for r in self.infos if r < self.rank]
+            connects = [self._connect(addresses[r], local_addresses[r]) for r in self.infos if r < self.rank]
             await self._until(deadline, asyncio.gather(*connects), "connections to lower ranks")
             await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect")
             await self._store.set(f"ready/{self.rank}", "1")
@@ -233,9 +243,14 @@ class Worker:
                 f"{self.name}: timed out after {self.options.init_timeout}s waiting for {what}"
             ) from None
 
-    async def _connect(self, address: tuple[str, int], rank: int) -> None:
+    async def _connect(self, address: tuple[str, int], local: Any) -> None:
+        """Connect to a lower rank: through its Unix socket when it runs on this host
+        (see ``_local``), else (or when that fails) over TCP."""
+        proto = None
+        if self._local_server is not None and isinstance(local, list) and len(local) == 2:
+            proto = await _local.connect(self.loop, lambda: self._accept(initiator=True), *local)
         delay = 0.01
-        while True:
+        while proto is None:
             try:
                 client_tls = self.options.ssl_client_context
                 _, proto = await self.loop.create_connection(
@@ -631,8 +646,9 @@ class Worker:
                 with contextlib.suppress(Exception):
                     proto.send(Goodbye(reason="shutdown"))
                 proto.close()
-        if self._server is not None:
-            self._server.close()
+        for server in (self._server, self._local_server):
+            if server is not None:
+                server.close()
         if self._store is not None:
             await self._store.close()
         if self._store_server is not None:
