@@ -127,6 +127,24 @@ class RecvRpcBackward(torch.autograd.Function):
         return None, grad
 
 
+def _c_apply(function: type[torch.autograd.Function]) -> Any:
+    """``function.apply`` minus ``torch.autograd.Function.apply``'s Python wrapper.
+
+    The wrapper binds default arguments for ``setup_context`` (ours has none) and
+    unwraps functorch tensors (checked at each call instead): going straight to the
+    C entry point saves about half the cost of applying it, once per received tensor.
+    """
+    try:
+        return torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    except (AttributeError, KeyError, TypeError):  # another torch: the public way
+        return function.apply
+
+
+_apply_recv = _c_apply(RecvRpcBackward)
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+
+
 def _as_recv_output(received: torch.Tensor) -> torch.Tensor:
     """Attach RecvRpcBackward to ``received`` (a leaf that requires grad); return the
     leaf that now collects its gradient."""
@@ -134,8 +152,14 @@ def _as_recv_output(received: torch.Tensor) -> torch.Tensor:
         return received  # parameters stay leaves: optimizers update them in place
     anchor = received.detach().requires_grad_()
     received.requires_grad_(False)
-    with torch.enable_grad():
-        RecvRpcBackward.apply(received, anchor)
+    if _functorch_active():
+        with torch.enable_grad():
+            RecvRpcBackward.apply(received, anchor)
+    elif _grad_enabled():
+        _apply_recv(received, anchor)
+    else:
+        with torch.enable_grad():
+            _apply_recv(received, anchor)
     return anchor
 
 
