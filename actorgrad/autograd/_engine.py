@@ -242,7 +242,7 @@ class EngineActor:
         if outcome is None:
             return
         if isinstance(outcome, BackwardReport):
-            self._answer(caller, request_id, outcome.dump())
+            self._answer(caller, request_id, outcome)
             return
 
         async def answer_when_done() -> None:
@@ -250,16 +250,23 @@ class EngineActor:
                 report = await outcome
                 if report is None:
                     return  # passed along again
-                result: Payload | BaseException = report.dump()
+                result: BackwardReport | BaseException = report
             except Exception as exc:
                 result = exc
             self._answer(caller, request_id, result)
 
         self.worker.spawn(answer_when_done())
 
-    def _answer(self, caller: int, request_id: int, result: Payload | BaseException) -> None:
+    def _answer(self, caller: int, request_id: int, result: BackwardReport | BaseException) -> None:
+        worker = self.worker
+        if isinstance(result, BaseException):
+            reply: Payload | BaseException = result
+        elif caller == worker.rank and worker.settle_own_call(request_id, result):
+            return  # our own PROPAGATE_GRADS call (see _gather): the report as it is
+        else:
+            reply = result.dump()
         with contextlib.suppress(Exception):  # a caller that is gone waits for nothing
-            self.worker.answer(caller, request_id, result)
+            worker.answer(caller, request_id, reply)
 
     def _serve(
         self, msg: PropagateGrads, owed: tuple[int, int, int]
@@ -440,6 +447,8 @@ class EngineActor:
 
     @staticmethod
     async def _gather(report: BackwardReport, followups: list[asyncio.Future[Any]]) -> BackwardReport:
+        # an answer is a reply payload, the report itself (a PROPAGATE_GRADS call whose
+        # duty to answer came back to this worker) or a report from a stop's job
         for answer in await _all_or_first_error(followups):
             if isinstance(answer, Payload):
                 answer = BackwardReport.load(answer)

@@ -349,6 +349,25 @@ class Worker:
         else:
             peer.send(Result(request_id=request_id, payload=result))
 
+    def settle_own_call(self, request_id: int, value: Any) -> bool:
+        """Resolve this worker's own outstanding call ``request_id`` with ``value``
+        as it is, when the duty to answer it came back here (see :meth:`answer`):
+        nothing is encoded, sent to ourselves and decoded again. The value stands in
+        for the reply payload, so only code that made the call and knows to expect it
+        may settle it. False when no such call is waiting.
+
+        It is settled from the loop's queue, where a reply sent to ourselves used to
+        arrive, so a deadline that is already due still expires first."""
+        if request_id not in self._pending.futures:
+            return False
+        self.loop.call_soon(self._settle, request_id, value)
+        return True
+
+    def _settle(self, request_id: int, value: Any) -> None:
+        future = self._pending.pop(request_id)
+        if future is not None and not future.done():
+            future.set_result(value)
+
     def on_message(self, peer: PeerProtocol, msg: Message) -> None:
         if peer.rank is None or (self.peers.get(peer.rank) is not peer and peer is not self._loopback):
             return  # a connection we rejected or replaced: nothing it sent is acted on
