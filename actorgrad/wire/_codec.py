@@ -176,6 +176,11 @@ class _Pickler(cloudpickle.Pickler):
 
 _free_picklers: list[_Pickler] = []  # reused: building a pickler costs more than a dump
 _FREE_PICKLERS_MAX = 4
+# A pickler's memo table grows with the objects it memoized and never shrinks, and
+# clearing it walks the whole table: one that pickled a large structure would make
+# every later small dump slow (~0.5 ms after a 100k-element list). Every memoized
+# object takes at least a byte of the body, so the body's length bounds the table.
+_REUSE_MAX_BODY = 2048
 
 
 # -- unpickling --------------------------------------------------------------------
@@ -274,8 +279,8 @@ class Payload:
         payload = cls(pickler.file.getvalue())
         payload.tensors = pickler.tensors
         payload.buffers = pickler.buffers
-        pickler.reset()
-        if len(_free_picklers) < _FREE_PICKLERS_MAX:
+        if len(payload.body) <= _REUSE_MAX_BODY and len(_free_picklers) < _FREE_PICKLERS_MAX:
+            pickler.reset()
             _free_picklers.append(pickler)
         return payload
 

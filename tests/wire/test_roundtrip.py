@@ -371,3 +371,20 @@ def test_consecutive_dumps_are_independent():
     assert torch.equal(got[0]["big"], big) and got[0]["f"]() == 1 and got[0]["nested"] == NESTED
     assert torch.equal(got[1][0], small) and got[1][1] == NESTED
     assert torch.equal(got[2][0], big) and torch.equal(got[2][1], small) and got[2][2] == NESTED
+
+
+def test_a_pickler_that_pickled_a_large_structure_is_not_reused(monkeypatch):
+    """A pickler's memo table never shrinks and clearing it walks all of it: reusing
+    one that memoized a large structure would slow every later dump down."""
+    from actorgrad.wire import _codec
+
+    monkeypatch.setattr(_codec, "_free_picklers", [])
+    Payload.dump((1, "small"))
+    (reused,) = _codec._free_picklers
+    large = [(i, str(i)) for i in range(20_000)]
+    payload = Payload.dump(large)
+    assert _codec._free_picklers == []  # the one that took the large dump was dropped
+    assert len(payload.body) > _codec._REUSE_MAX_BODY
+    assert payload.load() == large
+    Payload.dump((2, "small again"))
+    assert len(_codec._free_picklers) == 1 and _codec._free_picklers[0] is not reused
