@@ -22,6 +22,10 @@ parent to split at: there a node pre-hook blanks the stop's gradient inside the 
 that merely feeds it (captures happen before pre-hooks), so its share is counted once,
 when it runs, although torch still calls the nodes behind it with zero gradients
 (a known gap, covered by a strict xfail test).
+
+Most graphs have no node (other than a leaf's AccumulateGrad) that two starts reach:
+then there is no stop and nothing to split, and a single walk gives the plan. The
+passes above run only when that walk meets a node a second start reaches.
 """
 
 from __future__ import annotations
@@ -96,7 +100,10 @@ class Plan:
 
 
 def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
-    edge = get_gradient_edge(tensor)
+    node = tensor.grad_fn
+    if node is not None:  # computed: its own node (get_gradient_edge adds only checks)
+        return node, tensor.output_nr
+    edge = get_gradient_edge(tensor)  # a leaf: its AccumulateGrad
     return edge.node, edge.output_nr
 
 
@@ -119,9 +126,12 @@ def make_plan(
     stop nodes get the hook and are added. Raises TooBig, before changing anything, when
     the graph has more than ``max_nodes`` nodes.
     """
+    start_edges = {key: [_edge(t) for t in tensors if t.requires_grad] for key, tensors in starts.items()}
+    disjoint = _disjoint_plan(start_edges, recv_of_leaf, max_nodes)
+    if disjoint is not None:
+        return disjoint
     # 1. the reached subgraph and the in-degree of every node in it
     indegree: dict[Any, int] = {}
-    start_edges = {key: [_edge(t) for t in tensors if t.requires_grad] for key, tensors in starts.items()}
     stack = []
     for edges in start_edges.values():
         for node, _ in edges:
@@ -148,6 +158,68 @@ def make_plan(
             break
         forced |= more
     return plan
+
+
+def _disjoint_plan(
+    start_edges: dict[Hashable, list[tuple[Any, int]]],
+    recv_of_leaf: dict[int, tuple[int, int]],
+    max_nodes: int | None,
+) -> Plan | None:
+    """The plan in a single walk when no node other than a leaf's AccumulateGrad is
+    reached from two starts (the common case: then there are no stops, and nothing to
+    split); None as soon as one is.
+
+    Raises TooBig like ``make_plan``. The result equals what the general passes make
+    (leaves and regions may be listed in another order, which nothing depends on).
+    """
+    owner: dict[Any, Hashable] = {}
+    indegree: dict[Any, int] = {}
+    feeds: dict[Hashable, Feeds] = {}
+    regions: dict[Hashable, list[Any]] = {}
+    targeted_by: dict[Any, set[Hashable]] = {}
+    recv_sources: dict[int, set[Hashable]] = {}
+    for key, edges in start_edges.items():
+        feed, region = Feeds(), list[Any]()
+        feeds[key], regions[key] = feed, region
+        stack = [None]  # the start's own edges first, then the nodes they lead to
+        while stack:
+            node = stack.pop()
+            if node is None:
+                children: Any = edges
+            else:
+                region.append(node)
+                children = node.next_functions
+            for child, _ in children:
+                if child is None:
+                    continue
+                indegree[child] = indegree.get(child, 0) + 1
+                variable = getattr(child, "variable", None)
+                if variable is not None:  # AccumulateGrad: a user leaf or a recv leaf
+                    targets = targeted_by.setdefault(child, set())
+                    if key in targets:
+                        continue
+                    targets.add(key)  # several starts may deliver to one leaf
+                    where = recv_of_leaf.get(id(variable))
+                    if where is None:
+                        feed.leaves.append(variable)
+                    else:
+                        feed.recv_leaves.append((variable, where[0], where[1]))
+                        recv_sources.setdefault(where[0], set()).add(key)
+                elif child not in owner:
+                    owner[child] = key
+                    stack.append(child)
+                elif owner[child] != key:
+                    return None  # fed by two starts: a stop, the general passes
+            if max_nodes is not None and len(owner) + len(targeted_by) > max_nodes:
+                raise TooBig
+    return Plan(
+        feeds=feeds,
+        stops={},
+        regions=regions,
+        indegree=indegree,
+        recvs={msg: Stop(pending=len(keys)) for msg, keys in recv_sources.items()},
+        targeted_by=targeted_by,
+    )
 
 
 def _assign(
