@@ -55,6 +55,8 @@ from ._transport import LoopbackPeer, PeerProtocol
 log = logging.getLogger("actorgrad")
 _perf_counter = time.perf_counter
 _sched_yield = getattr(os, "sched_yield", lambda: None)  # not on every platform
+# While an answer is awaited, poll up to this many times RpcOptions.spin_us (keep_hot).
+_WAIT_SPIN_FACTOR = 10
 
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
@@ -119,6 +121,7 @@ class Worker:
         self.corking = 0
         self.corked_peers: list[PeerProtocol] = []
         self._spin_seconds = options.spin_us / 1e6 if (os.cpu_count() or 1) > 1 else 0.0
+        self._wait_spin_seconds = (_WAIT_SPIN_FACTOR - 1) * self._spin_seconds  # beyond _hot_until
         self._hot_until = 0.0
         self._spinning = False
         self.register("runtime.done", self._on_peer_done)
@@ -304,6 +307,10 @@ class Worker:
         CPU on each turn, and a quiet worker still sleeps. It does not poll while the
         thread pool runs a job: the polling loop would win the GIL back every time and
         the job would wait for a forced switch (milliseconds).
+
+        While this worker waits for the answer to a call of its own, it polls up to
+        ``_WAIT_SPIN_FACTOR`` times as long: a remote step of a few milliseconds (a
+        layer's forward, an optimizer step) is then picked up without a wake-up too.
         """
         self._hot_until = _perf_counter() + self._spin_seconds
         if not self._spinning and self._spin_seconds:
@@ -311,7 +318,11 @@ class Worker:
             self.loop.call_soon(self._spin)
 
     def _spin(self) -> None:
-        if _perf_counter() < self._hot_until and not self.closed and not self._pool.in_flight:
+        now = _perf_counter()
+        if (
+            (now < self._hot_until or (self._pending.futures and now < self._hot_until + self._wait_spin_seconds))
+            and not self.closed and not self._pool.in_flight
+        ):
             _sched_yield()  # let other runnable processes (more ranks than cores) run
             self.loop.call_soon(self._spin)
         else:
