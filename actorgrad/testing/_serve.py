@@ -32,15 +32,6 @@ async def serve(rank: int, world_size: int, init_method: str, parent: int) -> No
 
 def main() -> None:
     rank, world_size, init_method, parent = sys.argv[1:5]
-    if os.environ.get("AG_PROF"):
-        import cProfile
-        import pstats
-        pr = cProfile.Profile()
-        pr.enable()
-        ag.run(serve(int(rank), int(world_size), init_method, int(parent)))
-        pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-        return
     ag.run(serve(int(rank), int(world_size), init_method, int(parent)))
 
 
