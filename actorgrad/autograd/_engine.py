@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from .._errors import ContextError
 from ..runtime import Worker, get_worker
@@ -377,6 +378,8 @@ class EngineActor:
         if not (pairs and inputs):
             none: Sequence[torch.Tensor | None] = [None] * len(inputs)
             return Job(lambda: none, True)
+        if (direct := _leaf_gradients(outputs, pairs, inputs)) is not None:
+            return Job(lambda: direct, True)
         suppress = frozenset(plan.feeds[key].stops)
         # torch may run a (blanked) stop node inside this call, which must
         # not free the buffers that node's own job needs later.
@@ -432,8 +435,6 @@ class EngineActor:
             stop = plan.stops[node]
             stop.pending -= 1
             if stop.pending == 0:
-                from torch.autograd.graph import GradientEdge
-
                 edges = [(GradientEdge(node, s), stop.grads[s]) for s in stop.slots if s in stop.grads]
                 stop.grads = {}
                 started.append(asyncio.ensure_future(self.run_start(
@@ -515,6 +516,34 @@ def _traced_nodes(tracer: Any, nodes: list[Any]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _leaf_gradients(
+    outputs: Sequence[Any], pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[Any],
+) -> list[torch.Tensor | None] | None:
+    """A job's results without a torch call, when there is nothing to compute: the
+    start's tensors are distinct leaves, the job's targets are exactly those leaves,
+    no hook waits on them and every gradient matches its leaf (torch would pass the
+    gradients through unchanged). The send of leaf tensors (an RPC's arguments)
+    ends this way on the worker that made the call. None when torch has to run."""
+    if len(inputs) != len(outputs):
+        return None
+    by_leaf: dict[int, torch.Tensor | None] = {}
+    for tensor in outputs:
+        if (not isinstance(tensor, torch.Tensor) or tensor.grad_fn is not None
+                or tensor._backward_hooks or id(tensor) in by_leaf):
+            return None  # a stop's edge, a computed tensor, a hook, a leaf sent twice
+        by_leaf[id(tensor)] = None
+    for tensor, grad in pairs:
+        if grad.shape != tensor.shape or grad.dtype != tensor.dtype or grad.device != tensor.device:
+            return None  # torch's own checks name the problem
+        by_leaf[id(tensor)] = grad
+    results = []
+    for target in inputs:
+        if type(target) is GradientEdge or id(target) not in by_leaf:
+            return None
+        results.append(by_leaf[id(target)])
+    return results
 
 
 def _add(grads: dict[int, torch.Tensor], index: int, grad: torch.Tensor) -> None:

@@ -616,3 +616,21 @@ async def test_fan_out_fan_in_layers_propagate_once_per_pair(make_group, monkeyp
     # ... but each of the 4 send/recv pairs per layer should carry gradients exactly once
     # (a job per arriving gradient would double the propagations at every layer)
     assert len(calls) == 4 * layers, f"{len(calls)} PROPAGATE_GRADS for {4 * layers} pairs"
+
+
+async def test_leaf_arguments_get_their_gradients_with_and_without_hooks(group2):
+    """An RPC's leaf arguments end the backward on the caller: without a hook their
+    gradients are delivered as they arrive; a hook on a leaf still sees (and may
+    change) its gradient, as in local autograd."""
+    plain, hooked, twice = rand3(), rand3(), rand3()
+    hooked.register_hook(lambda g: g * 3)
+    async with ag.autograd.context() as context_id:
+        a = await ag.rpc_async("worker1", torch.sin, args=(plain,))
+        b = await ag.rpc_async("worker1", torch.mul, args=(hooked, twice))
+        c = await ag.rpc_async("worker1", torch.add, args=(twice, twice))
+        await ag.autograd.backward(context_id, [(a * b + c).sum()])
+        grads = ag.autograd.get_gradients(context_id)
+    lp, lh, lt = local_copies(plain, hooked, twice)
+    lh.register_hook(lambda g: g * 3)
+    (torch.sin(lp) * (lh * lt) + (lt + lt)).sum().backward()
+    assert_grads(grads, [(plain, lp.grad), (hooked, lh.grad), (twice, lt.grad)])
