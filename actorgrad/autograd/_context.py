@@ -200,7 +200,14 @@ class DistContext:
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         held = self.grads.get(tensor)
-        self.grads[tensor] = grad if held is None else held + grad
+        if held is not None:
+            self.grads[tensor] = held + grad
+        elif any(stride == 0 and size > 1 for size, stride in zip(grad.shape, grad.stride(), strict=True)):
+            # a broadcast gradient (d(x.sum())/dx): stored dense, as torch's
+            # AccumulateGrad would, so that it can be modified in place
+            self.grads[tensor] = grad.contiguous()
+        else:
+            self.grads[tensor] = grad
 
     def describe(self, message_id: int) -> str:
         if (send := self.sends.get(message_id)) is not None:

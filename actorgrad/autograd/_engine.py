@@ -47,7 +47,7 @@ from .._errors import ContextError
 from ..runtime import Worker, get_worker
 from ..wire import Payload
 from ._context import ContextActor, DistContext, context_actor
-from ._messages import BackwardReport, PropagateGrads, Traverse
+from ._messages import BackwardReport, PropagateGrads, Traverse, travelling
 from ._plan import Plan, TooBig, make_plan, reached_recvs, suppressing
 
 ROOTS = ("roots",)
@@ -466,7 +466,7 @@ class EngineActor:
         grads = task.plan.recvs[message_id].grads  # type: ignore[union-attr]
         return PropagateGrads(
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
-            grads=tuple(grads.get(i) for i in range(len(recv.leaves))),
+            grads=tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))),
             mode=task.mode, retain_graph=task.retain_graph, reply=reply,
             pairs=report.pairs if report is not None else None,
             fired=tuple(report.fired) if report is not None else (),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,12 +29,38 @@ class PropagateGrads(TupleMessage):
     context_id: int
     backward_id: int
     message_id: int
-    grads: tuple[torch.Tensor | None, ...]
+    grads: tuple[Any, ...]  # tensors or None; built with ``travelling``
     mode: str
     retain_graph: bool
     reply: tuple[int, int, int] | None = None
     pairs: dict[int, str] | None = None
     fired: tuple[int, ...] = ()
+
+
+def travelling(grad: torch.Tensor | None) -> Any:
+    """``grad`` as PROPAGATE_GRADS carries it: a gradient with broadcast dimensions
+    (stride 0, as ``d(y.sum())/dy`` is one value expanded to y's shape) travels as its
+    distinct values and is expanded again on arrival, instead of being copied out and
+    sent element by element."""
+    if grad is None or grad.numel() <= 1 or 0 not in grad.stride():
+        return grad
+    return _Broadcast(grad)
+
+
+class _Broadcast:
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+    def __reduce__(self) -> tuple[Any, tuple[torch.Tensor, tuple[int, ...]]]:
+        grad = self.grad
+        distinct = grad[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in grad.stride())]
+        return _expand, (distinct.contiguous(), tuple(grad.shape))
+
+
+def _expand(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return values.expand(shape)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -634,3 +634,33 @@ async def test_leaf_arguments_get_their_gradients_with_and_without_hooks(group2)
     lh.register_hook(lambda g: g * 3)
     (torch.sin(lp) * (lh * lt) + (lt + lt)).sum().backward()
     assert_grads(grads, [(plain, lp.grad), (hooked, lh.grad), (twice, lt.grad)])
+
+
+async def test_broadcast_gradient_travels_as_its_values_and_arrives_dense(group2, monkeypatch):
+    """d(y.sum())/dy is one value expanded to y's shape: PROPAGATE_GRADS carries that
+    value, not 256 KiB of ones; and gradients handed out are dense and writable."""
+    sizes: list[int] = []
+    dump = ag.autograd._messages.PropagateGrads.dump
+
+    def measured(self):  # type: ignore[no-untyped-def]
+        payload = dump(self)
+        sizes.append(payload.nbytes)
+        return payload
+
+    monkeypatch.setattr(ag.autograd._messages.PropagateGrads, "dump", measured)
+    x = torch.rand(256, 256, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.sin, args=(x,))
+        await ag.autograd.backward(context_id, [y.sum() + x.sum()])
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (torch.sin(lx).sum() + lx.sum()).backward()
+    assert_grads(grads, [(x, lx.grad)])
+    assert sorted(sizes)[0] < 2048 < x.numel() * 4 <= sorted(sizes)[-1]  # ones out, cos(x) back
+    grads[x].add_(1)  # dense: writable in place
+
+    async with ag.autograd.context() as context_id:
+        await ag.autograd.backward(context_id, [x.sum()])  # a local root's gradient
+        (g,) = ag.autograd.get_gradients(context_id).values()
+    assert g.is_contiguous() and torch.equal(g, torch.ones_like(x))
+    g.mul_(2)
