@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import threading
 import time
@@ -99,11 +100,24 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# The rank a payload being pickled goes to, while send_request / dump_value pickle it
+# (an RRef sent to its own owner needs no new fork, see RRef.__reduce__).
+sending_to: contextvars.ContextVar[int | None] = contextvars.ContextVar("actorgrad_sending_to", default=None)
+
+
+def _dump_to(dst: int, obj: Any) -> Payload:
+    token = sending_to.set(dst)
+    try:
+        return Payload.dump(obj)
+    finally:
+        sending_to.reset(token)
+
+
 def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
     """Pickle a result (with autograd metadata) to send back to ``dst``."""
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
-    payload = Payload.dump((value, meta))
+    payload = _dump_to(dst, (value, meta))
     hooks.after_send(worker, meta, payload, dst)
     return payload
 
@@ -160,7 +174,7 @@ def send_request(
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
-    payload = Payload.dump((*obj_without_meta, meta))
+    payload = _dump_to(dst, (*obj_without_meta, meta))
     hooks.after_send(worker, meta, payload, dst)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
     return dst, worker.call(dst, target, payload, timeout, decode)

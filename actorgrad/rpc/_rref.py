@@ -5,7 +5,9 @@ The owner keeps each shared value in an :class:`OwnerTable` entry together with 
 of live *forks*: one fork per user-side RRef object anywhere in the group. Every time an
 RRef is pickled (sent to any worker) a fresh fork id is minted and announced to the
 owner (``rref.add_fork``) *before* the pickled bytes leave; the unpickled copy
-announces its end with ``rref.del_fork`` when it is garbage-collected. The sender's own
+announces its end with ``rref.del_fork`` when it is garbage-collected. (A copy sent to
+the owner itself needs no fork: it becomes an owner RRef there, and the sender's own
+fork outlives the message.) The sender's own
 fork is still alive while it sends, and its eventual ``del_fork`` travels on the same
 connection after the ``add_fork``, so the owner's set cannot empty early. A ``del_fork``
 that overtakes its ``add_fork`` (they come from different workers) leaves a tombstone
@@ -182,6 +184,12 @@ class RRef(Generic[T]):
     # -- pickling: every copy is a new fork -----------------------------------------
     def __reduce__(self) -> Any:
         worker = self._worker
+        if self._owner != worker.rank and _api.sending_to.get() == self._owner:
+            # To the owner itself (``rref.rpc_sync().method()``, an RRef argument of a
+            # call to its owner): this RRef's own fork keeps the value alive until the
+            # message arrives, since its release would travel after it on the same
+            # connection, and the owner rebuilds an owner RRef. No new fork, no message.
+            return (_rebuild, (self._owner, self._id, None))
         table = owner_table(worker)
         fork = table.new_id()
         if self._owner == worker.rank:
@@ -192,7 +200,7 @@ class RRef(Generic[T]):
         return (_rebuild, (self._owner, self._id, fork))
 
 
-def _rebuild(owner: int, rref_id: RRefId, fork: ForkId) -> RRef[Any]:
+def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:
     worker = get_worker()
     if owner == worker.rank:
         table = owner_table(worker)
@@ -200,8 +208,11 @@ def _rebuild(owner: int, rref_id: RRefId, fork: ForkId) -> RRef[Any]:
         if entry is None:
             raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
         value = entry.value
-        table.del_fork(rref_id, fork)
+        if fork is not None:
+            table.del_fork(rref_id, fork)
         return RRef._make(worker, owner, rref_id, None, value)
+    if fork is None:
+        raise RuntimeError(f"RRef {rref_id} was sent for its owner (rank {owner}) but arrived on {worker.name}")
     return RRef._make(worker, owner, rref_id, fork, None)
 
 

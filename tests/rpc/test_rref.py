@@ -416,3 +416,30 @@ async def test_remote_to_self_is_freed(group2):
     await rref.to_here()
     del rref
     assert (await wait_owner_count("worker0", base, timeout=1.0))["num_owner_rrefs"] == base
+
+
+async def test_rref_sent_to_its_owner_needs_no_fork_message(group3, monkeypatch):
+    """A call to the owner with the RRef as argument (the usual way to use one, and every
+    proxy call) sends no add_fork: the owner rebuilds an owner RRef. Sent anywhere else
+    an RRef is still a new fork, and the value is freed once every holder is done."""
+    told: list[str] = []
+    tell = ag.runtime.Worker.tell
+
+    def counting(self, to, target, payload):  # type: ignore[no-untyped-def]
+        if target == "rref.add_fork":
+            told.append(self.name)
+        return tell(self, to, target, payload)
+
+    monkeypatch.setattr(ag.runtime.Worker, "tell", counting)
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", Counter, args=(5,))
+    assert await rref.rpc_async().inc(2) == 7
+    name, is_owner, _, _ = await ag.rpc_async("worker1", inspect_on_owner, args=(rref,))
+    assert (name, is_owner) == ("worker1", True)
+    assert told == []
+    assert await ag.rpc_async("worker2", sync_proxy_inc, args=(rref, 1)) == ("worker2", 8)
+    assert told == ["worker0"]  # the copy for worker2 is a fork; its own call to the owner is not
+    del rref
+    gc.collect()
+    info = await wait_owner_count("worker1", base)
+    assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
