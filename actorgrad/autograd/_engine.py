@@ -46,7 +46,7 @@ from torch.autograd.graph import GradientEdge
 from .._errors import ContextError
 from ..runtime import Worker, get_worker
 from ..wire import Payload
-from ._context import ContextActor, DistContext, context_actor
+from ._context import ContextActor, DistContext, RecvRpcBackward, context_actor
 from ._messages import BackwardReport, PropagateGrads, Traverse, travelling
 from ._plan import Plan, TooBig, make_plan, reached_recvs, suppressing
 
@@ -55,6 +55,7 @@ ROOTS = ("roots",)
 _INLINE_PLAN_NODES = 256
 _INLINE_JOB_NODES = 32
 _INLINE_JOB_BYTES = 1 << 20
+_RECV_NODE = RecvRpcBackward._backward_cls
 # torch.autograd.grad minus its argument checks (and their first-use imports): our
 # gradients always match their outputs.
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
@@ -521,23 +522,35 @@ def _traced_nodes(tracer: Any, nodes: list[Any]) -> Iterator[None]:
 def _leaf_gradients(
     outputs: Sequence[Any], pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[Any],
 ) -> list[torch.Tensor | None] | None:
-    """A job's results without a torch call, when there is nothing to compute: the
-    start's tensors are distinct leaves, the job's targets are exactly those leaves,
-    no hook waits on them and every gradient matches its leaf (torch would pass the
-    gradients through unchanged). The send of leaf tensors (an RPC's arguments)
-    ends this way on the worker that made the call. None when torch has to run."""
+    """A job's results without a torch call, when there is nothing to compute: each of
+    the start's tensors hands its gradient unchanged to one leaf (it is a leaf, or a
+    received tensor passed on as it came, whose recv leaf takes it), those leaves are
+    distinct and are exactly the job's targets, no hook waits on the tensors, and every
+    gradient matches its tensor. The send of an RPC's leaf arguments ends this way on
+    the caller, and so does each hop of a chain that passes results on. None when
+    torch has to run."""
     if len(inputs) != len(outputs):
         return None
     by_leaf: dict[int, torch.Tensor | None] = {}
+    leaf_of: dict[int, int] = {}
     for tensor in outputs:
-        if (not isinstance(tensor, torch.Tensor) or tensor.grad_fn is not None
-                or tensor._backward_hooks or id(tensor) in by_leaf):
-            return None  # a stop's edge, a computed tensor, a hook, a leaf sent twice
-        by_leaf[id(tensor)] = None
+        if not isinstance(tensor, torch.Tensor) or tensor._backward_hooks:
+            return None  # a stop's edge, or a hook to run
+        node = tensor.grad_fn
+        if node is None:
+            leaf = tensor
+        elif type(node) is _RECV_NODE:
+            leaf = node.next_functions[1][0].variable  # type: ignore[union-attr]  # the recv leaf (see _as_recv_output)
+        else:
+            return None  # computed: torch has work to do
+        if id(leaf) in by_leaf:
+            return None  # two tensors for one leaf: torch sums them
+        by_leaf[id(leaf)] = None
+        leaf_of[id(tensor)] = id(leaf)
     for tensor, grad in pairs:
         if grad.shape != tensor.shape or grad.dtype != tensor.dtype or grad.device != tensor.device:
             return None  # torch's own checks name the problem
-        by_leaf[id(tensor)] = grad
+        by_leaf[leaf_of[id(tensor)]] = grad
     results = []
     for target in inputs:
         if type(target) is GradientEdge or id(target) not in by_leaf:

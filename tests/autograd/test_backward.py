@@ -664,3 +664,29 @@ async def test_broadcast_gradient_travels_as_its_values_and_arrives_dense(group2
         (g,) = ag.autograd.get_gradients(context_id).values()
     assert g.is_contiguous() and torch.equal(g, torch.ones_like(x))
     g.mul_(2)
+
+
+def times_two(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+async def test_received_tensors_passed_on_as_they_came(group2):
+    """Results passed straight into the next call (a chain): each hop's gradient goes
+    to the recv leaf unchanged; passed twice, or with a hook, torch still does it."""
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = x
+        for _ in range(3):
+            y = await ag.rpc_async("worker1", times_two, args=(y,))
+        z = await ag.rpc_async("worker1", torch.mul, args=(y, y))  # one received tensor, twice
+        w = await ag.rpc_async("worker1", times_two, args=(z,))
+        w.register_hook(lambda g: g * 5)
+        v = await ag.rpc_async("worker1", torch.sin, args=(w,))
+        await ag.autograd.backward(context_id, [v.sum()])
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    ly = lx * 8
+    lw = (ly * ly) * 2
+    lw.register_hook(lambda g: g * 5)
+    torch.sin(lw).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
