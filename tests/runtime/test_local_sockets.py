@@ -8,16 +8,15 @@ calls still carry the same values whichever transport is chosen.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import torch
 
 import actorgrad as ag
-from actorgrad.runtime import _current, _local
+from actorgrad.runtime import _local
 from actorgrad.testing import InProcessGroup, free_port
 
 pytestmark = pytest.mark.skipif(_local.host_identity() is None, reason="no abstract Unix sockets here")
@@ -27,31 +26,15 @@ def add_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-@pytest.fixture
-async def start_pair() -> AsyncIterator[Callable[..., Awaitable[list[Any]]]]:
-    """``workers = await start_pair(options)``: two workers on this loop, shut down after."""
-    started: list[Any] = []
-
-    async def run(options: ag.RpcOptions | None = None) -> list[Any]:
-        method = f"tcp://127.0.0.1:{free_port()}"
-        contexts = [contextvars.copy_context() for _ in range(2)]
-        loop = asyncio.get_running_loop()
-        tasks = [
-            loop.create_task(ag.init_rpc(f"w{rank}", rank=rank, world_size=2, init_method=method,
-                                         options=options), context=ctx)
-            for rank, ctx in enumerate(contexts)
-        ]
-        await asyncio.wait_for(asyncio.gather(*tasks), 15)
-        workers = [ctx.get(_current.current_worker) for ctx in contexts]
-        started.extend(workers)
-        return workers
-
-    yield run
-    await asyncio.gather(
-        *(InProcessGroup([w]).run_as(0, w.shutdown, False, 5.0) for w in started if not w.closed),
-        return_exceptions=True,
-    )
-    _current.set_default(None)
+async def start_pair(spawn: Callable[..., Awaitable[list[Any]]], options: ag.RpcOptions | None = None) -> list[Any]:
+    """Two workers on this loop (``spawn`` shuts them down after the test)."""
+    method = f"tcp://127.0.0.1:{free_port()}"
+    workers = await spawn([
+        {"name": f"w{rank}", "rank": rank, "world_size": 2, "init_method": method, "options": options}
+        for rank in range(2)
+    ])
+    assert all(isinstance(w, ag.runtime.Worker) for w in workers), workers
+    return workers
 
 
 def _families(workers: list[Any]) -> set[int]:
@@ -71,19 +54,19 @@ async def _round_trip(workers: list[Any]) -> None:
             assert torch.equal(got, x + 1)
 
 
-async def test_same_host_peers_use_unix_sockets(start_pair):
-    workers = await start_pair()
+async def test_same_host_peers_use_unix_sockets(spawn):
+    workers = await start_pair(spawn)
     assert _families(workers) == {socket.AF_UNIX}
     await _round_trip(workers)
 
 
-async def test_local_sockets_off_uses_tcp(start_pair):
-    workers = await start_pair(ag.RpcOptions(local_sockets=False))
+async def test_local_sockets_off_uses_tcp(spawn):
+    workers = await start_pair(spawn, ag.RpcOptions(local_sockets=False))
     assert _families(workers) == {socket.AF_INET}
     await _round_trip(workers)
 
 
-async def test_unreachable_local_socket_falls_back_to_tcp(start_pair, monkeypatch):
+async def test_unreachable_local_socket_falls_back_to_tcp(spawn, monkeypatch):
     listen = _local.listen
 
     async def listen_but_advertise_nothing_there(loop: Any, factory: Any) -> Any:
@@ -92,7 +75,7 @@ async def test_unreachable_local_socket_falls_back_to_tcp(start_pair, monkeypatc
         return served[0], "actorgrad-no-such-socket"  # peers cannot connect there
 
     monkeypatch.setattr(_local, "listen", listen_but_advertise_nothing_there)
-    workers = await start_pair()
+    workers = await start_pair(spawn)
     assert _families(workers) == {socket.AF_INET}
     await _round_trip(workers)
 
