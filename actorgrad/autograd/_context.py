@@ -262,6 +262,7 @@ class ContextActor(CallHooks):
             ctx = self.contexts.get(meta[0])
             if ctx is not None:
                 ctx.sends[meta[1]] = SendEntry(tensors, dst)
+                worker.expect_message()  # the backward's gradients for them
 
     def on_receive(self, worker: Worker, meta: Any, payload: Payload, src: int) -> None:
         if meta is None:

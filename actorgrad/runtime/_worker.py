@@ -123,6 +123,7 @@ class Worker:
         self._spin_seconds = options.spin_us / 1e6 if (os.cpu_count() or 1) > 1 else 0.0
         self._wait_spin_seconds = (_WAIT_SPIN_FACTOR - 1) * self._spin_seconds  # beyond _hot_until
         self._hot_until = 0.0
+        self._expect_until = 0.0  # see expect_message
         self._spinning = False
         self.register("runtime.done", self._on_peer_done)
         self.register("runtime.ping", lambda peer, payload: Payload.dump(None))
@@ -317,10 +318,20 @@ class Worker:
             self._spinning = True
             self.loop.call_soon(self._spin)
 
+    def expect_message(self) -> None:
+        """A message is bound to arrive soon (after a forward that recorded autograd
+        sends, its backward): keep polling as long as while awaiting an answer, so it
+        is picked up without a wake-up."""
+        self._expect_until = _perf_counter() + self._spin_seconds + self._wait_spin_seconds
+        if not self._spinning and self._spin_seconds:
+            self._spinning = True
+            self.loop.call_soon(self._spin)
+
     def _spin(self) -> None:
         now = _perf_counter()
         if (
-            (now < self._hot_until or (self._pending.futures and now < self._hot_until + self._wait_spin_seconds))
+            (now < self._hot_until or now < self._expect_until
+             or (self._pending.futures and now < self._hot_until + self._wait_spin_seconds))
             and not self.closed and not self._pool.in_flight
         ):
             _sched_yield()  # let other runnable processes (more ranks than cores) run
