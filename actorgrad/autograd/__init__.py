@@ -16,6 +16,7 @@ from ._engine import backward as backward
 from ._inspect import DistGraph as DistGraph
 from ._inspect import graph as graph
 from ._inspect import install as _install_inspect
+from ._messages import DESCRIBE as _DESCRIBE
 from ._messages import PropagateGrads as _PropagateGrads
 from ._messages import ReleaseContext as _ReleaseContext
 from ._messages import Traverse as _Traverse
@@ -50,6 +51,7 @@ def _setup(worker: _Worker) -> None:
     worker.register(_PropagateGrads.TARGET, engine.on_propagate)
     worker.register(_PropagateGrads.DELEGATED, engine.on_delegated_propagate)
     worker.register(_ReleaseContext.TARGET, contexts.on_release)
+    worker.register(_DESCRIBE, contexts.on_describe)
     worker.register(_Traverse.TARGET, engine.on_traverse)
     _install_inspect(worker)
 

@@ -32,7 +32,7 @@ from ..runtime import Worker, get_worker
 from ..wire import Payload
 from ._messages import ReleaseContext
 
-_ID_BITS = 48
+ID_BITS = 48  # ids are (minting worker's rank << ID_BITS) | counter
 _RELEASED_MEMORY = 100_000  # ids of released contexts remembered, to ignore late messages
 _REAPER_STACK = 512 << 20
 
@@ -230,7 +230,7 @@ class ContextActor(CallHooks):
         self._released_set: set[int] = set()
 
     def new_id(self) -> int:
-        return (self.worker.rank << _ID_BITS) | next(self._ids)
+        return (self.worker.rank << ID_BITS) | next(self._ids)
 
     def create(self) -> DistContext:
         ctx = DistContext(self.new_id())
@@ -270,7 +270,7 @@ class ContextActor(CallHooks):
         context_id, message_id = meta
         ctx = self.contexts.get(context_id)
         if ctx is None:
-            if context_id in self._released_set or context_id >> _ID_BITS == self.worker.rank:
+            if context_id in self._released_set or context_id >> ID_BITS == self.worker.rank:
                 return  # a late message for a context released here: nothing to record
             ctx = self.contexts[context_id] = DistContext(context_id)
         ctx.peers.add(src)
@@ -317,6 +317,12 @@ class ContextActor(CallHooks):
             for peer in peers:
                 with contextlib.suppress(Exception):  # a lost peer has nothing left to free
                     self.worker.tell(peer, ReleaseContext.TARGET, message)
+
+    def on_describe(self, peer: Any, payload: Payload) -> Payload:
+        """The description of one send/recv pair (for a FAST mode error elsewhere)."""
+        context_id, message_id = payload.load()
+        ctx = self.contexts.get(context_id)
+        return Payload.dump("unknown (context released)" if ctx is None else ctx.describe(message_id))
 
     def on_release(self, peer: Any, payload: Payload) -> None:
         msg = ReleaseContext.load(payload)

@@ -46,8 +46,8 @@ from torch.autograd.graph import GradientEdge
 from .._errors import ContextError
 from ..runtime import Worker, get_worker
 from ..wire import Payload
-from ._context import ContextActor, DistContext, RecvRpcBackward, context_actor
-from ._messages import BackwardReport, PropagateGrads, Traverse, travelling
+from ._context import ID_BITS, ContextActor, DistContext, RecvRpcBackward, context_actor
+from ._messages import DESCRIBE, BackwardReport, PropagateGrads, Traverse, travelling
 from ._plan import Plan, TooBig, make_plan, reached_recvs, suppressing
 
 ROOTS = ("roots",)
@@ -284,7 +284,7 @@ class EngineActor:
         task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
         key = ("send", msg.message_id)
         grads = list(msg.grads)
-        incoming = BackwardReport(pairs=msg.pairs or {}, fired=frozenset((*msg.fired, msg.message_id)))
+        incoming = BackwardReport(pairs=frozenset(msg.pairs), fired=frozenset((*msg.fired, msg.message_id)))
         job: Job | None = None
         plan = self.plan_now(ctx, task)
         if plan is not None:
@@ -441,10 +441,10 @@ class EngineActor:
                 started.append(asyncio.ensure_future(self.run_start(
                     ctx, task, node, [e for e, _ in edges], [g for _, g in edges]
                 )))
-        pairs_here: dict[int, str] = {}
+        pairs_here: frozenset[int] = frozenset()
         if task.mode == "fast" and not task.reported_pairs:  # once per worker and pass
             task.reported_pairs = True
-            pairs_here = {m: ctx.describe(m) for m in (*ctx.sends, *ctx.recvs)}
+            pairs_here = frozenset((*ctx.sends, *ctx.recvs))
         return BackwardReport(pairs=pairs_here, fired=frozenset(fired)), fired, started
 
     @staticmethod
@@ -469,7 +469,7 @@ class EngineActor:
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
             grads=tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))),
             mode=task.mode, retain_graph=task.retain_graph, reply=reply,
-            pairs=report.pairs if report is not None else None,
+            pairs=tuple(report.pairs) if report is not None else (),
             fired=tuple(report.fired) if report is not None else (),
         )
 
@@ -579,6 +579,19 @@ async def _all_or_first_error(futures: list[asyncio.Future[Any]]) -> list[Any]:
     return [f.result() for f in futures]
 
 
+async def _describe_pair(worker: Worker, ctx: DistContext, message_id: int) -> str:
+    """What the send/recv pair ``message_id`` carried, asked of the worker that sent it
+    (the one that minted the id), for an error message."""
+    sender = message_id >> ID_BITS
+    if sender == worker.rank or sender not in worker.peers:
+        return ctx.describe(message_id)
+    try:
+        reply = await worker.call(sender, DESCRIBE, Payload.dump((ctx.context_id, message_id)))
+        return str(reply.load())
+    except Exception as exc:  # the error being reported matters more than this detail
+        return f"not described: {type(exc).__name__} from rank {sender}"
+
+
 def engine_actor(worker: Worker | None = None) -> EngineActor:
     worker = worker or get_worker()
     actor = worker.extensions.get("autograd.engine")
@@ -652,13 +665,14 @@ async def backward(
     if not retain_graph:
         ctx.graph_freed = True
     if mode == "fast":
-        unused = sorted(set(report.pairs) - report.fired)
+        unused = sorted(report.pairs - report.fired)
         if unused:
             first = unused[0]
+            described = await _describe_pair(worker, ctx, first)
             raise ContextError(
                 f"FAST mode backward in context {context_id}: {len(unused)} RPC send/recv "
                 f"pair(s) received no gradient, first autograd message {first} "
-                f"({report.pairs[first]}). FAST mode assumes every RPC's output takes part "
+                f"({described}). FAST mode assumes every RPC's output takes part "
                 "in the loss (PyTorch would wait forever here); use "
                 "backward(..., mode=\"smart\") to skip unused RPCs."
             )

@@ -33,7 +33,7 @@ class PropagateGrads(TupleMessage):
     mode: str
     retain_graph: bool
     reply: tuple[int, int, int] | None = None
-    pairs: dict[int, str] | None = None
+    pairs: tuple[int, ...] = ()
     fired: tuple[int, ...] = ()
 
 
@@ -82,14 +82,19 @@ class BackwardReport(TupleMessage):
 
     ``pairs`` holds every autograd message id recorded on those workers in this context,
     ``fired`` those that carried gradients. Ids are global, so merging is a union and
-    the order in which reports arrive does not matter.
+    the order in which reports arrive does not matter. Only ids travel: describing a
+    pair (its tensors' shapes, where they went) is left to the rare report that finds
+    one unused (see ``DESCRIBE``).
     """
 
-    pairs: dict[int, str]
+    pairs: frozenset[int]
     fired: frozenset[int]
 
     def merge(self, other: BackwardReport) -> BackwardReport:
-        return BackwardReport(pairs={**self.pairs, **other.pairs}, fired=self.fired | other.fired)
+        return BackwardReport(pairs=self.pairs | other.pairs, fired=self.fired | other.fired)
+
+
+DESCRIBE = "autograd.describe_pair"  # (context id, message id) -> that pair's description
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -220,6 +220,24 @@ async def nested_with_unused(x: torch.Tensor) -> torch.Tensor:
     return used * x
 
 
+async def nested_with_unused_leaf(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: a nested RPC to worker2 with a fresh leaf of its own, never used."""
+    _unused = await ag.rpc_async("worker2", torch.cos, args=(torch.ones(7, requires_grad=True),))
+    return x * 2
+
+
+async def test_unused_rpc_is_described_by_the_worker_that_made_it(group3):
+    """Only worker1's call to worker2 (and its answer) stay silent: the error names it
+    as worker1, which recorded it, describes it."""
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        r = await ag.rpc_async("worker1", nested_with_unused_leaf, args=(x,))
+        unused = r"2 RPC send/recv pair\(s\).*\(tensors of shape \(7,\) sent to rank 2\).*smart"
+        with pytest.raises(ag.ContextError, match=unused):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [r.sum()]), 10)
+    await wait_released(["worker0", "worker1", "worker2"])
+
+
 async def test_unused_nested_rpc(group3):
     x = rand3()
     async with ag.autograd.context() as context_id:
