@@ -17,12 +17,16 @@ GIL hand-over, several times the cost of a small function itself.
   thread wake-ups and a GIL hand-over, ~100-150 us on a small VM, measured on the
   pool where the run itself is slower than on the loop): below it, running inline
   holds the loop no longer than the hop would have delayed the answer.
-- A run slower than ``SLOW_SECONDS``, in the pool or inline, is a *strike*: the
-  function (at that size class) goes back to the pool and needs twice as many fast runs as before to be
-  inlined again. Wall time also grows when the machine is busy (a run preempted by
-  another process, waiting for the GIL), so one slow run must not condemn a function
-  for good; a function that really blocks stalls the loop a few times at most, after
-  which it needs thousands of fast runs. After ``MAX_STRIKES`` it stays on the pool.
+- A run slower than ``SLOW_SECONDS``, in the pool or inline, counts against the
+  function (at that size class) when another slow run came less than
+  ``SLOW_AGAIN_WITHIN`` seconds before it, or when it took longer than
+  ``BLOCKING_SECONDS``: a *strike*. The function goes back to the pool and needs twice
+  as many fast runs as before to be inlined again. Wall time also grows when the
+  machine is busy (a run preempted by another process, waiting for the GIL): on a
+  small VM a 50 us function now and then takes over a millisecond, and striking it
+  for each would send it to the pool for longer and longer, and in the end for good.
+  A function that really blocks is slow again and again, so it stalls the loop a few
+  times at most; after ``MAX_STRIKES`` it stays on the pool.
 - A function that made a blocking call into a worker (``rpc_sync`` and friends,
   which a caller on the loop thread could not make) stays on the pool for good.
 - Functions are known by their code object, so a lambda or ``__main__`` function that
@@ -44,6 +48,8 @@ from ..runtime._sync import blocking_calls
 PROMOTE_AFTER = 8
 FAST_SECONDS = 200e-6
 SLOW_SECONDS = 1e-3
+SLOW_AGAIN_WITHIN = 1.0
+BLOCKING_SECONDS = 50e-3
 MAX_STRIKES = 10
 _MAX_TRACKED = 4096
 
@@ -69,6 +75,7 @@ class InlinePolicy:
         self._strikes: dict[Learned, int] = {}
         self._inline: set[Learned] = set()
         self._never: set[types.CodeType] = set()
+        self._slow_at: dict[Learned, float] = {}  # when its last slow run ended
 
     @staticmethod
     def key(func: Callable[..., Any]) -> types.CodeType | None:
@@ -110,7 +117,8 @@ class InlinePolicy:
         if blocked:
             self._ban(learned[0])
         elif elapsed > SLOW_SECONDS:
-            self._strike(learned)
+            if self._slow_again(learned, elapsed):
+                self._strike(learned)
         elif elapsed <= FAST_SECONDS and learned not in self._inline:
             runs = self._fast_runs.get(learned, 0) + 1
             if runs < PROMOTE_AFTER << self._strikes.get(learned, 0):
@@ -121,9 +129,19 @@ class InlinePolicy:
                 self._inline.add(learned)
 
     def inline_run(self, code: types.CodeType, elapsed: float, nbytes: int = 0) -> None:
-        """An inline run took ``elapsed`` seconds; a slow one is a strike."""
+        """An inline run took ``elapsed`` seconds; a slow one may be a strike."""
         if elapsed > SLOW_SECONDS:
-            self._strike((code, size_class(nbytes)))
+            learned = (code, size_class(nbytes))
+            if self._slow_again(learned, elapsed):
+                self._strike(learned)
+
+    def _slow_again(self, learned: Learned, elapsed: float) -> bool:
+        """A slow run: whether it is a strike (a second one soon after, or a block)."""
+        now = _perf_counter()
+        last = self._slow_at.get(learned)
+        if len(self._slow_at) < _MAX_TRACKED or last is not None:
+            self._slow_at[learned] = now
+        return elapsed > BLOCKING_SECONDS or (last is not None and now - last <= SLOW_AGAIN_WITHIN)
 
     def _strike(self, learned: Learned) -> None:
         self._inline.discard(learned)
@@ -136,7 +154,7 @@ class InlinePolicy:
 
     def _ban(self, code: types.CodeType) -> None:
         """Never again inline, at any size: it blocks (or kept being slow)."""
-        for table in (self._fast_runs, self._strikes):
+        for table in (self._fast_runs, self._strikes, self._slow_at):
             for learned in [k for k in table if k[0] is code]:
                 del table[learned]
         self._inline = {k for k in self._inline if k[0] is not code}

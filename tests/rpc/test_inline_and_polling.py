@@ -13,7 +13,7 @@ import time
 import torch
 
 import actorgrad as ag
-from actorgrad.rpc._inline import PROMOTE_AFTER, SLOW_SECONDS, size_class
+from actorgrad.rpc._inline import BLOCKING_SECONDS, PROMOTE_AFTER, SLOW_SECONDS, size_class
 
 
 def thread_name(x: object = None) -> str:
@@ -87,22 +87,38 @@ async def test_slow_function_is_never_inlined(group2):
     assert all(on_pool(n) for n in names)
 
 
-async def test_a_slow_pool_run_doubles_the_fast_runs_needed(group2):
-    names = [await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,))]
+async def test_two_slow_pool_runs_double_the_fast_runs_needed(group2):
+    names = await call_n(fast_then_slow, 2, SLOW_SECONDS * 3)
     names += await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 5, 0.0)
-    assert all(on_pool(n) for n in names[: 2 * PROMOTE_AFTER + 1])
+    assert all(on_pool(n) for n in names[: 2 * PROMOTE_AFTER + 2])
     assert not on_pool(names[-1])
 
 
-async def test_slow_inline_run_sends_the_function_back_to_the_pool(group2):
+async def test_one_slow_run_now_and_then_is_forgiven(group2):
+    """A quick function the machine happened to preempt once stays where it is."""
+    names = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
+    assert not on_pool(names[-1])
+    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
+    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(0.0,)))
+
+
+async def test_slow_inline_runs_send_the_function_back_to_the_pool(group2):
     names = await call_n(fast_then_slow, PROMOTE_AFTER + 5, 0.0)
     assert not on_pool(names[-1])
-    # one slow run on the loop (the price of learning), then the pool until twice as
+    # two slow runs on the loop (the price of learning), then the pool until twice as
     # many fast runs as before vouch for it again
-    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
+    slow = await call_n(fast_then_slow, 2, SLOW_SECONDS * 3)
+    assert not any(on_pool(n) for n in slow)
     after = await call_n(fast_then_slow, 2 * PROMOTE_AFTER + 5, 0.0)
     assert all(on_pool(n) for n in after[: 2 * PROMOTE_AFTER])
     assert not on_pool(after[-1])
+
+
+async def test_a_run_that_blocks_sends_the_function_back_at_once(group2):
+    names = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
+    assert not on_pool(names[-1])
+    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(BLOCKING_SECONDS * 1.5,)))
+    assert on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(0.0,)))
 
 
 async def test_inlining_can_be_turned_off(make_group):
