@@ -47,7 +47,15 @@ from .._errors import ContextError
 from ..runtime import Worker, get_worker
 from ..wire import Payload
 from ._context import ID_BITS, ContextActor, DistContext, RecvRpcBackward, context_actor
-from ._messages import DESCRIBE, BackwardReport, PropagateGrads, Traverse, travelling
+from ._messages import (
+    DESCRIBE,
+    BackwardReport,
+    PropagateGrads,
+    Traverse,
+    pack_ids,
+    travelling,
+    unpack_ids,
+)
 from ._plan import Plan, TooBig, make_plan, reached_recvs, suppressing
 
 ROOTS = ("roots",)
@@ -284,7 +292,7 @@ class EngineActor:
         task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
         key = ("send", msg.message_id)
         grads = list(msg.grads)
-        incoming = BackwardReport(pairs=frozenset(msg.pairs), fired=frozenset((*msg.fired, msg.message_id)))
+        incoming = BackwardReport(pairs=unpack_ids(msg.pairs), fired=unpack_ids(msg.fired) | {msg.message_id})
         job: Job | None = None
         plan = self.plan_now(ctx, task)
         if plan is not None:
@@ -469,8 +477,8 @@ class EngineActor:
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
             grads=tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))),
             mode=task.mode, retain_graph=task.retain_graph, reply=reply,
-            pairs=tuple(report.pairs) if report is not None else (),
-            fired=tuple(report.fired) if report is not None else (),
+            pairs=pack_ids(report.pairs) if report is not None else b"",
+            fired=pack_ids(report.fired) if report is not None else b"",
         )
 
     def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int) -> asyncio.Future[Payload]:

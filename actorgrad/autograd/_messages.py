@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..wire import TupleMessage
+from .._errors import ProtocolError
+from ..wire import Payload, TupleMessage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,8 +36,22 @@ class PropagateGrads(TupleMessage):
     mode: str
     retain_graph: bool
     reply: tuple[int, int, int] | None = None
-    pairs: tuple[int, ...] = ()
-    fired: tuple[int, ...] = ()
+    pairs: bytes = b""  # message ids, packed (see pack_ids)
+    fired: bytes = b""
+
+
+def pack_ids(ids: Iterable[int]) -> bytes:
+    """Autograd message ids as one bytes object: pickling visits every object of a
+    message, and a chain's report holds up to two ids per hop."""
+    return array.array("Q", ids).tobytes()
+
+
+def unpack_ids(packed: bytes) -> frozenset[int]:
+    if type(packed) is not bytes or len(packed) % 8:
+        raise ProtocolError("malformed autograd message ids")
+    ids = array.array("Q")
+    ids.frombytes(packed)
+    return frozenset(ids)
 
 
 def travelling(grad: torch.Tensor | None) -> Any:
@@ -92,6 +109,16 @@ class BackwardReport(TupleMessage):
 
     def merge(self, other: BackwardReport) -> BackwardReport:
         return BackwardReport(pairs=self.pairs | other.pairs, fired=self.fired | other.fired)
+
+    def dump(self) -> Payload:
+        return Payload.dump((pack_ids(self.pairs), pack_ids(self.fired)))
+
+    @classmethod
+    def load(cls, payload: Payload) -> BackwardReport:
+        values = payload.load()
+        if type(values) is not tuple or len(values) != 2:
+            raise ProtocolError("malformed BackwardReport message")
+        return cls(pairs=unpack_ids(values[0]), fired=unpack_ids(values[1]))
 
 
 DESCRIBE = "autograd.describe_pair"  # (context id, message id) -> that pair's description
