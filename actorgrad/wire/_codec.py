@@ -9,18 +9,21 @@ registered for pickling by value), and its reducer table is a dict instead of a
 ``ChainMap``.
 
 Every ``torch.Tensor`` (or ``nn.Parameter``) inside a payload is replaced by a small
-descriptor through the pickle persistent-id mechanism::
+descriptor through the pickle persistent-id mechanism. The descriptor is one
+``bytes`` object, since the pickler consults the persistent-id hook for every object it
+meets, the parts of a descriptor included::
 
-    (where, dtype name, shape, requires_grad, is_parameter)
+    flags (1 byte: 1 requires_grad, 2 nn.Parameter, 4 out of band)
+    dtype code (1 byte, the index of its name in _DTYPE_ORDER)
+    ndim (1 byte), then ndim sizes (little-endian int64)
+    then either a buffer index (little-endian uint32; out of band) or the tensor's
+    C-order bytes themselves (in band: the rest of the descriptor)
 
-``where`` is either
-
-* an ``int``: the index of an out-of-band buffer of the frame. The tensor's bytes are
-  written straight from its memory and received straight into a freshly allocated
-  tensor; no byte goes through the pickler. Used above ``INBAND_MAX_BYTES``.
-* a ``bytes`` object: the tensor's C-order bytes themselves, inside the pickle. Small
-  tensors travel this way: a separate buffer costs far more per tensor (allocation,
-  views, one more write piece) than copying a few KiB.
+Out of band: the index of a buffer of the frame. The tensor's bytes are written
+straight from its memory and received straight into a freshly allocated tensor; no
+byte goes through the pickler. Used above ``INBAND_MAX_BYTES``. In band: small tensors
+travel inside the pickle, since a separate buffer costs far more per tensor
+(allocation, views, one more write piece) than copying a few KiB.
 
 ``Payload.tensors`` lists every tensor object met while pickling, in pickling order
 (a tensor met twice is described twice and arrives as two independent tensors): the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import struct
 import types
 from typing import Any
 
@@ -57,8 +61,21 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }  # fmt: skip
 _GRAD_DTYPES = frozenset(d for d in _DTYPES.values() if d.is_floating_point or d.is_complex)
+# dtype codes of the descriptor: fixed positions, so that both ends agree whatever their
+# torch has (a code whose dtype is missing here is refused)
+_DTYPE_ORDER = (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "uint8", "int8",
+    "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn",
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)  # fmt: skip
+_DTYPE_CODES: dict[torch.dtype, int] = {_DTYPES[n]: i for i, n in enumerate(_DTYPE_ORDER) if n in _DTYPES}
+_CODE_NAMES: tuple[str | None, ...] = tuple(n if n in _DTYPES else None for n in _DTYPE_ORDER)
+_REQUIRES_GRAD, _PARAMETER, _OUT_OF_BAND = 1, 2, 4
+_MAX_DIMS = 64  # torch's own limit
+_HEAD = struct.Struct("<BBB")
+_SIZES = [struct.Struct(f"<{n}q") for n in range(_MAX_DIMS + 1)]
+_INDEX = struct.Struct("<I")
 _MAX_ELEMENTS = 1 << 62  # beyond this torch overflows sizes and strides
-_DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
 
 _EMPTY = memoryview(b"")
@@ -137,16 +154,19 @@ class _Pickler(cloudpickle.Pickler):
         cls = type(obj)
         if cls is not _Tensor and cls is not _Parameter:
             return None
-        name = _DTYPE_NAMES.get(obj.dtype)
-        if name is None or obj.layout is not _strided or obj.is_quantized:
+        code = _DTYPE_CODES.get(obj.dtype)
+        if code is None or obj.layout is not _strided or obj.is_quantized or obj.dim() > _MAX_DIMS:
             return None  # torch's own (in-band) pickling handles the exotic ones
         self.tensors.append(obj)
+        shape = obj.shape
+        flags = (_REQUIRES_GRAD if obj.requires_grad else 0) | (_PARAMETER if cls is _Parameter else 0)
         if obj.nbytes <= INBAND_MAX_BYTES:
-            where: int | bytes = _inband_bytes(obj)
+            tail = _inband_bytes(obj)
         else:
-            where = len(self.buffers)
+            flags |= _OUT_OF_BAND
+            tail = _INDEX.pack(len(self.buffers))
             self.buffers.append(_tensor_bytes(obj))
-        return (where, name, tuple(obj.shape), obj.requires_grad, cls is _Parameter)
+        return _HEAD.pack(flags, code, len(shape)) + _SIZES[len(shape)].pack(*shape) + tail
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -189,18 +209,20 @@ class _Unpickler(pickle.Unpickler):
     tensors: list[torch.Tensor]  # the rebuilt tensors, in order
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        try:
-            where, dtype_name, shape, requires_grad, is_param = pid
-            dtype = _DTYPES[dtype_name]
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ProtocolError(f"malformed tensor descriptor {pid!r}") from exc
-        if type(shape) is not tuple:
-            raise ProtocolError(f"malformed tensor descriptor {pid!r}")
+        if type(pid) is not bytes or len(pid) < _HEAD.size:
+            raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}")
+        flags, code, ndim = _HEAD.unpack_from(pid)
+        dtype_name = _CODE_NAMES[code] if code < len(_CODE_NAMES) else None
+        end = _HEAD.size + 8 * ndim
+        if flags & ~(_REQUIRES_GRAD | _PARAMETER | _OUT_OF_BAND) or dtype_name is None or ndim > _MAX_DIMS \
+                or len(pid) < end:
+            raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}")
+        dtype = _DTYPES[dtype_name]
+        shape = _SIZES[ndim].unpack_from(pid, _HEAD.size)
+        requires_grad, is_param = bool(flags & _REQUIRES_GRAD), bool(flags & _PARAMETER)
         numel = 1
         span = 1  # product of max(s, 1): bounds the strides torch will compute
         for s in shape:
-            if type(s) is not int:
-                raise ProtocolError(f"malformed tensor descriptor {pid!r}")
             if s < 0:
                 raise ProtocolError(f"negative tensor dimension in {shape}")
             numel *= s
@@ -208,19 +230,23 @@ class _Unpickler(pickle.Unpickler):
             if span > _MAX_ELEMENTS:
                 raise ProtocolError(f"tensor shape {shape} is too large")
         if requires_grad and dtype not in _GRAD_DTYPES:
-            raise ProtocolError(f"a {dtype_name} tensor cannot require grad (descriptor {pid!r})")
+            raise ProtocolError(f"a {dtype_name} tensor cannot require grad (descriptor {pid[:64]!r})")
         nbytes = numel * _ITEMSIZE[dtype]
-        if type(where) is bytes:
-            if nbytes != len(where):
+        if not flags & _OUT_OF_BAND:
+            carried = len(pid) - end
+            if nbytes != carried:
                 raise ProtocolError(
                     f"tensor of shape {shape} and dtype {dtype_name} needs {nbytes} "
-                    f"bytes, the descriptor carries {len(where)}"
+                    f"bytes, the descriptor carries {carried}"
                 )
-            flat = torch.frombuffer(bytearray(where), dtype=dtype) if numel else None
-        elif type(where) is int:
+            flat = torch.frombuffer(bytearray(pid[end:]), dtype=dtype) if numel else None
+        else:
+            if len(pid) != end + _INDEX.size:
+                raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}")
+            (where,) = _INDEX.unpack_from(pid, end)
             raw = self.raw
-            if not 0 <= where < len(raw):
-                raise ProtocolError(f"malformed tensor descriptor {pid!r}: no buffer {where}")
+            if where >= len(raw):
+                raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}: no buffer {where}")
             buffer = raw[where]
             if nbytes != buffer.numel():
                 raise ProtocolError(
@@ -228,8 +254,6 @@ class _Unpickler(pickle.Unpickler):
                     f"bytes, the frame carries {buffer.numel()}"
                 )
             flat = buffer.view(dtype) if numel else None
-        else:
-            raise ProtocolError(f"malformed tensor descriptor {pid!r}")
         if flat is None:
             tensor = torch.empty(shape, dtype=dtype)
         elif len(shape) == 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from actorgrad.wire import (
     State,
     decode_frame,
 )
+from actorgrad.wire._codec import _DTYPE_ORDER
 from actorgrad.wire._frames import HEADER, Frame
 
 HELLO_BODY = b"\x01" * 32 + (3).to_bytes(4, "little")
@@ -227,6 +229,16 @@ def _descriptor_body(*pids: object) -> bytes:
     return file.getvalue()
 
 
+def _pid(where: int | bytes, dtype: str, shape: tuple[int, ...], requires_grad: bool = False,
+         parameter: bool = False, flags: int = 0, ndim: int | None = None) -> bytes:
+    """A descriptor as the codec writes it (see actorgrad.wire._codec): ``where`` is a
+    buffer index (out of band) or the in-band bytes; ``flags``/``ndim`` override."""
+    flags |= (1 if requires_grad else 0) | (2 if parameter else 0) | (4 if isinstance(where, int) else 0)
+    head = struct.pack("<BBB", flags, _DTYPE_ORDER.index(dtype), len(shape) if ndim is None else ndim)
+    tail = struct.pack("<I", where) if isinstance(where, int) else where
+    return head + struct.pack(f"<{len(shape)}q", *shape) + tail
+
+
 def _received_payload(body: bytes, buffers: tuple[bytes, ...]) -> Payload:
     a, b = connected_pair()
     event = None
@@ -238,36 +250,39 @@ def _received_payload(body: bytes, buffers: tuple[bytes, ...]) -> Payload:
 
 
 def test_descriptor_crafting_works():
-    """Guard: a well-formed crafted descriptor does load (so the failures below are real)."""
-    payload = _received_payload(_descriptor_body((0, "int16", (2, 2), False, False)), (b"\x01\x00" * 4,))
-    (t,) = payload.load()
-    assert torch.equal(t, torch.ones(2, 2, dtype=torch.int16))
+    """Guard: well-formed crafted descriptors do load (so the failures below are real)."""
+    payload = _received_payload(_descriptor_body(_pid(0, "int16", (2, 2)), _pid(b"\x02\x00", "int16", ())),
+                                (b"\x01\x00" * 4,))
+    out_of_band, in_band = payload.load()
+    assert torch.equal(out_of_band, torch.ones(2, 2, dtype=torch.int16))
+    assert torch.equal(in_band, torch.tensor(2, dtype=torch.int16))
 
 
 @pytest.mark.parametrize(("pid", "buffers", "message"), [
-    ((0, "float32", (4,), False, False), (b"\x00" * 8,), "needs 16 bytes, the frame carries 8"),
-    ((0, "float32", (4,), False, False), (b"\x00" * 17,), "needs 16 bytes, the frame carries 17"),
-    ((0, "int64", (), False, False), (b"",), "needs 8 bytes, the frame carries 0"),
-    ((0, "float64", (0, 3), False, False), (b"\x00",), "needs 0 bytes, the frame carries 1"),
-    ((0, "float32", (2**62, 2**62), False, False), (b"",), "is too large"),
-    ((1, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((-2, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((0, "object", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((0, "float32", ("a",), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((0, "float32", 5, False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((0, "float32", (1,)), (b"\x00" * 4,), "malformed tensor descriptor"),
+    (_pid(0, "float32", (4,)), (b"\x00" * 8,), "needs 16 bytes, the frame carries 8"),
+    (_pid(0, "float32", (4,)), (b"\x00" * 17,), "needs 16 bytes, the frame carries 17"),
+    (_pid(0, "int64", ()), (b"",), "needs 8 bytes, the frame carries 0"),
+    (_pid(0, "float64", (0, 3)), (b"\x00",), "needs 0 bytes, the frame carries 1"),
+    (_pid(0, "float32", (2**62, 2**62)), (b"",), "is too large"),
+    (_pid(1, "float32", (1,)), (b"\x00" * 4,), "no buffer 1"),
+    (_pid(2**32 - 1, "float32", (1,)), (b"\x00" * 4,), "no buffer 4294967295"),
+    (_pid(0, "float32", (1,))[:1] + b"\xc8" + _pid(0, "float32", (1,))[2:], (b"\x00" * 4,),
+     "malformed tensor descriptor"),  # an unknown dtype code
+    (_pid(0, "float32", (1,), ndim=2), (b"\x00" * 4,), "malformed tensor descriptor"),  # sizes cut short
+    (_pid(0, "float32", (1,), ndim=65), (b"\x00" * 4,), "malformed tensor descriptor"),  # too many dims
+    (_pid(0, "float32", (1,))[:2], (b"\x00" * 4,), "malformed tensor descriptor"),  # header cut short
+    (_pid(0, "float32", (1,), flags=8), (b"\x00" * 4,), "malformed tensor descriptor"),  # unknown flag
+    (_pid(0, "float32", (1,)) + b"\x00", (b"\x00" * 4,), "malformed tensor descriptor"),  # index too long
+    ((0, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),  # not bytes
     ("tensor", (b"\x00" * 4,), "malformed tensor descriptor"),
     ((), (), "malformed tensor descriptor"),
-    ((0, "float32", (-1, -4), False, False), (b"\x00" * 16,), "negative tensor dimension"),
-    ((0, "float32", (True,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((True, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
-    ((1.0, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),
+    (bytearray(_pid(0, "float32", (1,))), (b"\x00" * 4,), "malformed tensor descriptor"),
+    (_pid(0, "float32", (-1, -4)), (b"\x00" * 16,), "negative tensor dimension"),
     # in-band descriptors: the bytes travel inside the pickle
-    ((b"\x00" * 8, "float32", (4,), False, False), (), "needs 16 bytes, the descriptor carries 8"),
-    ((b"\x00" * 3, "float32", (), False, False), (), "needs 4 bytes, the descriptor carries 3"),
-    ((b"\x00", "int64", (0,), False, False), (), "needs 0 bytes, the descriptor carries 1"),
-    ((bytearray(4), "float32", (1,), False, False), (), "malformed tensor descriptor"),
-    ((b"\x00" * 4, "float32", (-1,), False, False), (), "negative tensor dimension"),
+    (_pid(b"\x00" * 8, "float32", (4,)), (), "needs 16 bytes, the descriptor carries 8"),
+    (_pid(b"\x00" * 3, "float32", ()), (), "needs 4 bytes, the descriptor carries 3"),
+    (_pid(b"\x00", "int64", (0,)), (), "needs 0 bytes, the descriptor carries 1"),
+    (_pid(b"\x00" * 4, "float32", (-1,)), (), "negative tensor dimension"),
 ])
 def test_descriptor_mismatch(pid, buffers, message):
     payload = _received_payload(_descriptor_body(pid), buffers)
@@ -277,10 +292,10 @@ def test_descriptor_mismatch(pid, buffers, message):
 
 
 @pytest.mark.parametrize("pid", [
-    (b"", "float32", (0, 2**63), False, False),  # TypeError: overflow unpacking the size
-    (b"", "float32", (0, 2**62, 2**62), False, False),  # RuntimeError: stride overflow
-    (b"\x00" * 4, "int32", (1,), True, False),  # RuntimeError: ints cannot require grad
-    (b"\x01", "bool", (1,), True, True),  # same, as an nn.Parameter
+    _pid(b"", "float32", (0, 2**63 - 1)),
+    _pid(b"", "float32", (0, 2**62, 2**62)),
+    _pid(b"\x00" * 4, "int32", (1,), requires_grad=True),  # ints cannot require grad
+    _pid(b"\x01", "bool", (1,), requires_grad=True, parameter=True),  # same, as an nn.Parameter
 ], ids=["dim_overflow", "stride_overflow", "int_requires_grad", "bool_parameter_grad"])
 def test_descriptor_values_torch_rejects(pid):
     payload = _received_payload(_descriptor_body(pid), ())
