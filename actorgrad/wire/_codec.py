@@ -37,6 +37,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import reprlib
 import struct
 import types
 from typing import Any
@@ -210,13 +211,13 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         if type(pid) is not bytes or len(pid) < _HEAD.size:
-            raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}")
+            raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}")
         flags, code, ndim = _HEAD.unpack_from(pid)
         dtype_name = _CODE_NAMES[code] if code < len(_CODE_NAMES) else None
         end = _HEAD.size + 8 * ndim
         if flags & ~(_REQUIRES_GRAD | _PARAMETER | _OUT_OF_BAND) or dtype_name is None or ndim > _MAX_DIMS \
                 or len(pid) < end:
-            raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}")
+            raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}")
         dtype = _DTYPES[dtype_name]
         shape = _SIZES[ndim].unpack_from(pid, _HEAD.size)
         requires_grad, is_param = bool(flags & _REQUIRES_GRAD), bool(flags & _PARAMETER)
@@ -230,7 +231,7 @@ class _Unpickler(pickle.Unpickler):
             if span > _MAX_ELEMENTS:
                 raise ProtocolError(f"tensor shape {shape} is too large")
         if requires_grad and dtype not in _GRAD_DTYPES:
-            raise ProtocolError(f"a {dtype_name} tensor cannot require grad (descriptor {pid[:64]!r})")
+            raise ProtocolError(f"a {dtype_name} tensor cannot require grad (descriptor {reprlib.repr(pid)})")
         nbytes = numel * _ITEMSIZE[dtype]
         if not flags & _OUT_OF_BAND:
             carried = len(pid) - end
@@ -242,11 +243,11 @@ class _Unpickler(pickle.Unpickler):
             flat = torch.frombuffer(bytearray(pid[end:]), dtype=dtype) if numel else None
         else:
             if len(pid) != end + _INDEX.size:
-                raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}")
+                raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}")
             (where,) = _INDEX.unpack_from(pid, end)
             raw = self.raw
             if where >= len(raw):
-                raise ProtocolError(f"malformed tensor descriptor {pid[:64]!r}: no buffer {where}")
+                raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}: no buffer {where}")
             buffer = raw[where]
             if nbytes != buffer.numel():
                 raise ProtocolError(

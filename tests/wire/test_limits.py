@@ -275,6 +275,7 @@ def test_descriptor_crafting_works():
     (_pid(0, "float32", (1,)) + b"\x00", (b"\x00" * 4,), "malformed tensor descriptor"),  # index too long
     ((0, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),  # not bytes
     ("tensor", (b"\x00" * 4,), "malformed tensor descriptor"),
+    (5, (b"\x00" * 4,), "malformed tensor descriptor"),
     ((), (), "malformed tensor descriptor"),
     (bytearray(_pid(0, "float32", (1,))), (b"\x00" * 4,), "malformed tensor descriptor"),
     (_pid(0, "float32", (-1, -4)), (b"\x00" * 16,), "negative tensor dimension"),
