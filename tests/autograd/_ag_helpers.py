@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import pytest
 import torch
@@ -30,6 +31,27 @@ def assert_grads(
             torch.testing.assert_close(grads[tensor], want)
     wanted = {id(t) for t, g in expected if g is not None}
     assert {id(t) for t in grads} == wanted, "gradients for tensors that should have none"
+
+
+def slow_backward_fn(seconds: float = 3.0) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> 2x`` whose backward sleeps ``seconds``: a worker busy in a backward, to
+    kill or to wait on. Defined afresh on each call, so that it travels to worker
+    processes by value (cloudpickle), which cannot import this test helper."""
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            time.sleep(seconds)
+            return grad * 2
+
+    def slow_fn(x: torch.Tensor) -> torch.Tensor:
+        return SlowBackward.apply(x)
+
+    return slow_fn
 
 
 async def debug_infos(names: Iterable[str]) -> dict[str, dict[str, int]]:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from _ag_helpers import assert_grads, local_copies, wait_released
+from _ag_helpers import assert_grads, local_copies, slow_backward_fn, wait_released
 
 import actorgrad as ag
 
@@ -121,18 +121,7 @@ async def test_worker_killed_while_it_holds_the_duty(make_process_group):
     """worker1 dies in a propagation passed to it by worker0 (which held the duty)."""
     group = await make_process_group(2)
 
-    class SlowBackward(torch.autograd.Function):  # travels by value (cloudpickle)
-        @staticmethod
-        def forward(ctx, x):  # type: ignore[no-untyped-def]
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):  # type: ignore[no-untyped-def]
-            time.sleep(3)
-            return grad * 2
-
-    def slow_fn(x):  # type: ignore[no-untyped-def]
-        return SlowBackward.apply(x)
+    slow_fn = slow_backward_fn(3)
 
     def quick(x):  # type: ignore[no-untyped-def]
         return x * 2

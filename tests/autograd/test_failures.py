@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from _ag_helpers import assert_grads, debug_infos, local_copies, wait_released
+from _ag_helpers import assert_grads, debug_infos, local_copies, slow_backward_fn, wait_released
 
 import actorgrad as ag
 
@@ -67,18 +67,7 @@ async def test_remote_error_two_hops_away(group3):
 async def test_worker_killed_during_backward(make_process_group):
     group = await make_process_group(2)
 
-    class SlowBackward(torch.autograd.Function):  # travels by value (cloudpickle)
-        @staticmethod
-        def forward(ctx, x):  # type: ignore[no-untyped-def]
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):  # type: ignore[no-untyped-def]
-            time.sleep(3)
-            return grad * 2
-
-    def slow_fn(x):  # type: ignore[no-untyped-def]
-        return SlowBackward.apply(x)
+    slow_fn = slow_backward_fn(3)
 
     x = rand3()
     async with ag.autograd.context() as context_id:
@@ -107,18 +96,7 @@ async def test_worker_killed_two_hops_away(make_process_group):
     """worker0 -> worker1 -> worker2; worker2 dies while it backpropagates."""
     group = await make_process_group(3)
 
-    class SlowBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # type: ignore[no-untyped-def]
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):  # type: ignore[no-untyped-def]
-            time.sleep(3)
-            return grad * 2
-
-    def slow_fn(x):  # type: ignore[no-untyped-def]
-        return SlowBackward.apply(x)
+    slow_fn = slow_backward_fn(3)
 
     async def via_worker1(x):  # type: ignore[no-untyped-def]
         return (await ag.rpc_async("worker2", slow_fn, args=(x * 3,))) * x
