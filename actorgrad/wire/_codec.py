@@ -49,26 +49,17 @@ from .._errors import ProtocolError
 
 INBAND_MAX_BYTES = 8 << 10  # tensors up to this size travel inside the pickle body
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32, torch.float64, torch.float16, torch.bfloat16,
-        torch.complex64, torch.complex128, torch.uint8, torch.int8, torch.int16,
-        torch.int32, torch.int64, torch.bool,
-        *(getattr(torch, name) for name in (
-            "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-            "float8_e4m3fnuz", "float8_e5m2fnuz",
-        ) if isinstance(getattr(torch, name, None), torch.dtype)),
-    )
-}  # fmt: skip
-_GRAD_DTYPES = frozenset(d for d in _DTYPES.values() if d.is_floating_point or d.is_complex)
-# dtype codes of the descriptor: fixed positions, so that both ends agree whatever their
-# torch has (a code whose dtype is missing here is refused)
+# The dtypes a descriptor can name, by code: a fixed order, so that both ends agree
+# whatever their torch has (a code whose dtype this torch lacks is refused).
 _DTYPE_ORDER = (
     "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "uint8", "int8",
     "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn",
     "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
 )  # fmt: skip
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_ORDER if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_GRAD_DTYPES = frozenset(d for d in _DTYPES.values() if d.is_floating_point or d.is_complex)
 _DTYPE_CODES: dict[torch.dtype, int] = {_DTYPES[n]: i for i, n in enumerate(_DTYPE_ORDER) if n in _DTYPES}
 _CODE_NAMES: tuple[str | None, ...] = tuple(n if n in _DTYPES else None for n in _DTYPE_ORDER)
 _REQUIRES_GRAD, _PARAMETER, _OUT_OF_BAND = 1, 2, 4
