@@ -31,7 +31,7 @@ passes above run only when that walk meets a node a second start reaches.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,22 @@ def make_plan(
     return plan
 
 
+def _deliver_to_leaf(
+    variable: torch.Tensor, keys: Iterable[Hashable], feeds: dict[Hashable, Feeds],
+    recv_of_leaf: dict[int, tuple[int, int]], recv_sources: dict[int, set[Hashable]],
+) -> None:
+    """The jobs of ``keys`` deliver to the leaf ``variable``: a user leaf, or a recv
+    leaf whose entry then waits for those jobs' shares."""
+    where = recv_of_leaf.get(id(variable))
+    for key in keys:
+        if where is None:
+            feeds[key].leaves.append(variable)
+        else:
+            feeds[key].recv_leaves.append((variable, where[0], where[1]))
+    if where is not None:
+        recv_sources.setdefault(where[0], set()).update(keys)
+
+
 def _disjoint_plan(
     start_edges: dict[Hashable, list[tuple[Any, int]]],
     recv_of_leaf: dict[int, tuple[int, int]],
@@ -179,8 +195,8 @@ def _disjoint_plan(
     targeted_by: dict[Any, set[Hashable]] = {}
     recv_sources: dict[int, set[Hashable]] = {}
     for key, edges in start_edges.items():
-        feed, region = Feeds(), list[Any]()
-        feeds[key], regions[key] = feed, region
+        region = list[Any]()
+        feeds[key], regions[key] = Feeds(), region
         stack = [None]  # the start's own edges first, then the nodes they lead to
         while stack:
             node = stack.pop()
@@ -199,12 +215,7 @@ def _disjoint_plan(
                     if key in targets:
                         continue
                     targets.add(key)  # several starts may deliver to one leaf
-                    where = recv_of_leaf.get(id(variable))
-                    if where is None:
-                        feed.leaves.append(variable)
-                    else:
-                        feed.recv_leaves.append((variable, where[0], where[1]))
-                        recv_sources.setdefault(where[0], set()).add(key)
+                    _deliver_to_leaf(variable, (key,), feeds, recv_of_leaf, recv_sources)
                 elif child not in owner:
                     owner[child] = key
                     stack.append(child)
@@ -256,14 +267,7 @@ def _assign(
         variable = getattr(node, "variable", None)
         if variable is not None:  # AccumulateGrad: a user leaf or a recv leaf
             targeted_by[node] = set(keys)
-            where = recv_of_leaf.get(id(variable))
-            for key in keys:
-                if where is None:
-                    feeds[key].leaves.append(variable)
-                else:
-                    feeds[key].recv_leaves.append((variable, where[0], where[1]))
-            if where is not None:
-                recv_sources.setdefault(where[0], set()).update(keys)
+            _deliver_to_leaf(variable, keys, feeds, recv_of_leaf, recv_sources)
             continue
         if len(keys) > 1 or node in forced:
             targeted_by[node] = set(keys)
