@@ -323,9 +323,7 @@ class Worker:
         sends, its backward): keep polling as long as while awaiting an answer, so it
         is picked up without a wake-up."""
         self._expect_until = _perf_counter() + self._spin_seconds + self._wait_spin_seconds
-        if not self._spinning and self._spin_seconds:
-            self._spinning = True
-            self.loop.call_soon(self._spin)
+        self.keep_hot()
 
     def _spin(self) -> None:
         now = _perf_counter()
