@@ -30,7 +30,7 @@ from .._errors import ContextError
 from ..rpc import CallHooks
 from ..runtime import Worker, get_worker
 from ..wire import Payload
-from ._messages import ReleaseContext
+from ._messages import ReleaseContext, is_broadcast
 
 ID_BITS = 48  # ids are (minting worker's rank << ID_BITS) | counter
 _RELEASED_MEMORY = 100_000  # ids of released contexts remembered, to ignore late messages
@@ -152,14 +152,12 @@ def _as_recv_output(received: torch.Tensor) -> torch.Tensor:
         return received  # parameters stay leaves: optimizers update them in place
     anchor = received.detach().requires_grad_()
     received.requires_grad_(False)
-    if _functorch_active():
-        with torch.enable_grad():
-            RecvRpcBackward.apply(received, anchor)
-    elif _grad_enabled():
-        _apply_recv(received, anchor)
+    apply = RecvRpcBackward.apply if _functorch_active() else _apply_recv
+    if _grad_enabled():
+        apply(received, anchor)
     else:
         with torch.enable_grad():
-            _apply_recv(received, anchor)
+            apply(received, anchor)
     return anchor
 
 
@@ -202,7 +200,7 @@ class DistContext:
         held = self.grads.get(tensor)
         if held is not None:
             self.grads[tensor] = held + grad
-        elif any(stride == 0 and size > 1 for size, stride in zip(grad.shape, grad.stride(), strict=True)):
+        elif is_broadcast(grad):
             # a broadcast gradient (d(x.sum())/dx): stored dense, as torch's
             # AccumulateGrad would, so that it can be modified in place
             self.grads[tensor] = grad.contiguous()

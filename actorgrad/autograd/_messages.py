@@ -59,9 +59,14 @@ def travelling(grad: torch.Tensor | None) -> Any:
     (stride 0, as ``d(y.sum())/dy`` is one value expanded to y's shape) travels as its
     distinct values and is expanded again on arrival, instead of being copied out and
     sent element by element."""
-    if grad is None or grad.numel() <= 1 or 0 not in grad.stride():
+    if grad is None or not is_broadcast(grad):
         return grad
     return _Broadcast(grad)
+
+
+def is_broadcast(tensor: torch.Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory (a dimension of stride 0, expanded)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
 
 
 class _Broadcast:
