@@ -8,10 +8,10 @@ the other side?" test is remembered per object (and forgotten whenever a module 
 registered for pickling by value), and its reducer table is a dict instead of a
 ``ChainMap``.
 
-Every ``torch.Tensor`` (or ``nn.Parameter``) inside a payload is replaced by a small
-descriptor through the pickle persistent-id mechanism. The descriptor is one
-``bytes`` object, since the pickler consults the persistent-id hook for every object it
-meets, the parts of a descriptor included::
+Every ``torch.Tensor`` (or ``nn.Parameter``) inside a payload is pickled as a call of
+``_tensor`` on a small descriptor (``reducer_override``; the pickler consults it only
+for objects that are not plain data, where a persistent-id hook would be called for
+every int and string of the payload). The descriptor is one ``bytes`` object::
 
     flags (1 byte: 1 requires_grad, 2 nn.Parameter, 4 out of band)
     dtype code (1 byte, the index of its name in _DTYPE_ORDER)
@@ -25,11 +25,12 @@ byte goes through the pickler. Used above ``INBAND_MAX_BYTES``. In band: small t
 travel inside the pickle, since a separate buffer costs far more per tensor
 (allocation, views, one more write piece) than copying a few KiB.
 
-``Payload.tensors`` lists every tensor object met while pickling, in pickling order
-(a tensor met twice is described twice and arrives as two independent tensors): the
-originals on the sending side; on the receiving side the rebuilt
-tensors, each a fresh leaf with ``requires_grad`` preserved. The autograd layer pairs the ones that
-require grad into send/recv entries.
+``Payload.tensors`` lists every tensor object met while pickling, once each, in pickling
+order: the originals on the sending side; on the receiving side the rebuilt tensors,
+each a fresh leaf with ``requires_grad`` preserved. A tensor met twice is described
+once and arrives as one tensor met twice, as pickle keeps any object's identity (and
+torch's own RPC does). The autograd layer pairs the ones that require grad into
+send/recv entries.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import io
 import pickle
 import reprlib
 import struct
+import threading
 import types
 from typing import Any
 
@@ -127,11 +129,7 @@ _REDUCERS = _ReducerTable(getattr(cloudpickle.Pickler, "_dispatch_table", {}))
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle with tensors as persistent ids (see the module docstring).
-
-    A persistent id is looked up before pickle's memo, so a tensor met twice is
-    described twice and arrives as two independent tensors.
-    """
+    """cloudpickle with tensors as descriptors (see the module docstring)."""
 
     if getattr(cloudpickle.Pickler, "_dispatch_table", None) is not None:
         dispatch_table = _REDUCERS
@@ -142,16 +140,15 @@ class _Pickler(cloudpickle.Pickler):
         self.tensors: list[torch.Tensor] = []
         self.buffers: list[memoryview] = []
 
-    def persistent_id(self, obj: Any) -> Any:
-        cls = type(obj)
-        if cls is not _Tensor and cls is not _Parameter:
-            return None
+    def _describe(self, obj: torch.Tensor) -> bytes | None:
+        """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
+        a tensor torch's own pickling handles."""
         code = _DTYPE_CODES.get(obj.dtype)
         if code is None or obj.layout is not _strided or obj.is_quantized or obj.dim() > _MAX_DIMS:
             return None  # torch's own (in-band) pickling handles the exotic ones
         self.tensors.append(obj)
         shape = obj.shape
-        flags = (_REQUIRES_GRAD if obj.requires_grad else 0) | (_PARAMETER if cls is _Parameter else 0)
+        flags = (_REQUIRES_GRAD if obj.requires_grad else 0) | (_PARAMETER if type(obj) is _Parameter else 0)
         if obj.nbytes <= INBAND_MAX_BYTES:
             tail = _inband_bytes(obj)
         else:
@@ -162,6 +159,9 @@ class _Pickler(cloudpickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
+        if cls is _Tensor or cls is _Parameter:
+            descriptor = self._describe(obj)
+            return NotImplemented if descriptor is None else (_tensor, (descriptor,))
         if cls is _FunctionType or cls is type:
             if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
                 return NotImplemented
@@ -196,11 +196,28 @@ _REUSE_MAX_BODY = 2048
 
 
 # -- unpickling --------------------------------------------------------------------
+class _Loading(threading.local):
+    unpickler: _Unpickler | None = None  # the one loading a payload on this thread
+
+
+_loading = _Loading()
+
+
+def _tensor(descriptor: bytes) -> torch.Tensor:
+    """What a payload's tensors are rebuilt by (pickled by reference): the unpickler
+    loading a payload on this thread rebuilds it from the frame's buffers. Met in a
+    pickle loaded any other way it is refused."""
+    unpickler = _loading.unpickler
+    if unpickler is None:
+        raise ProtocolError("a tensor descriptor outside an actorgrad payload")
+    return unpickler.rebuild(descriptor)
+
+
 class _Unpickler(pickle.Unpickler):
     raw: list[torch.Tensor]  # the received buffers, as uint8 tensors
     tensors: list[torch.Tensor]  # the rebuilt tensors, in order
 
-    def persistent_load(self, pid: Any) -> torch.Tensor:
+    def rebuild(self, pid: Any) -> torch.Tensor:
         if type(pid) is not bytes or len(pid) < _HEAD.size:
             raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}")
         flags, code, ndim = _HEAD.unpack_from(pid)
@@ -305,7 +322,11 @@ class Payload:
         unpickler = _Unpickler(io.BytesIO(self.body))
         unpickler.raw = self.raw
         unpickler.tensors = []
-        obj = unpickler.load()
+        outer, _loading.unpickler = _loading.unpickler, unpickler  # a load may nest
+        try:
+            obj = unpickler.load()
+        finally:
+            _loading.unpickler = outer
         self.tensors = unpickler.tensors
         return obj
 

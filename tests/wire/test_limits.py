@@ -3,7 +3,6 @@ message that names the problem; truncated input is simply incomplete."""
 
 from __future__ import annotations
 
-import io
 import pickle
 import struct
 
@@ -23,7 +22,7 @@ from actorgrad.wire import (
     State,
     decode_frame,
 )
-from actorgrad.wire._codec import _DTYPE_ORDER
+from actorgrad.wire._codec import _DTYPE_ORDER, _tensor
 from actorgrad.wire._frames import HEADER, Frame
 
 HELLO_BODY = b"\x01" * 32 + (3).to_bytes(4, "little")
@@ -214,19 +213,17 @@ def test_target_too_long_to_send_is_refused_by_the_receiver():
 
 # -- tensor descriptors ----------------------------------------------------------------------
 class _Marker:
+    """Pickles as the codec pickles a tensor, with ``pid`` as its descriptor."""
+
     def __init__(self, pid: object) -> None:
         self.pid = pid
 
-
-class _DescriptorPickler(pickle.Pickler):
-    def persistent_id(self, obj: object) -> object:
-        return obj.pid if isinstance(obj, _Marker) else None
+    def __reduce__(self) -> tuple[object, tuple[object]]:
+        return _tensor, (self.pid,)
 
 
 def _descriptor_body(*pids: object) -> bytes:
-    file = io.BytesIO()
-    _DescriptorPickler(file, protocol=5).dump([_Marker(p) for p in pids])
-    return file.getvalue()
+    return pickle.dumps([_Marker(p) for p in pids], protocol=5)
 
 
 def _pid(where: int | bytes, dtype: str, shape: tuple[int, ...], requires_grad: bool = False,
@@ -302,6 +299,11 @@ def test_descriptor_values_torch_rejects(pid):
     payload = _received_payload(_descriptor_body(pid), ())
     with pytest.raises(ProtocolError):
         payload.load()
+
+
+def test_descriptor_outside_a_payload_is_refused():
+    with pytest.raises(ProtocolError, match="tensor descriptor outside an actorgrad payload"):
+        pickle.loads(_descriptor_body(_pid(b"\x00" * 4, "float32", (1,))))
 
 
 def test_frame_buffers_match_the_sent_tensors():
