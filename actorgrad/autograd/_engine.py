@@ -395,17 +395,20 @@ class EngineActor:
         retain = task.retain_graph or bool(suppress)
         tracer = self.worker.tracer
         region = plan.regions.get(key, [])
-        traced = region if tracer.enabled else []
+        call = (tuple(o for o, _ in pairs), tuple(g for _, g in pairs), retain, False, tuple(inputs), True, False)
+        if not suppress and not tracer.enabled:  # the common case, without context managers
 
-        def compute() -> Sequence[torch.Tensor | None]:
-            with suppressing(suppress), tracer.span(
-                "backward job", "autograd",
-                {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
-            ), _traced_nodes(tracer, traced):
-                return _run_backward(
-                    tuple(o for o, _ in pairs), tuple(g for _, g in pairs),
-                    retain, False, tuple(inputs), True, False,
-                )
+            def compute() -> Sequence[torch.Tensor | None]:
+                return _run_backward(*call)
+        else:
+            traced = region if tracer.enabled else []
+
+            def compute() -> Sequence[torch.Tensor | None]:
+                with suppressing(suppress), tracer.span(
+                    "backward job", "autograd",
+                    {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
+                ), _traced_nodes(tracer, traced):
+                    return _run_backward(*call)
 
         small = len(region) <= _INLINE_JOB_NODES and sum(
             g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES
