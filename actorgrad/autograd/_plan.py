@@ -99,11 +99,16 @@ class Plan:
     targeted_by: dict[Any, set[Hashable]] = field(default_factory=dict)  # leaf/stop node -> jobs
 
 
+_is_grad_enabled = torch.is_grad_enabled
+
+
 def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
     node = tensor.grad_fn
     if node is not None:  # computed: its own node (get_gradient_edge adds only checks)
         return node, tensor.output_nr
-    edge = get_gradient_edge(tensor)  # a leaf: its AccumulateGrad
+    if _is_grad_enabled():  # a leaf: its AccumulateGrad, found as get_gradient_edge does
+        return tensor.view_as(tensor).grad_fn.next_functions[0]  # type: ignore[union-attr]
+    edge = get_gradient_edge(tensor)  # (which turns grad mode on for the view)
     return edge.node, edge.output_nr
 
 
