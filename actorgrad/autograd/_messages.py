@@ -66,7 +66,9 @@ def travelling(grad: torch.Tensor | None) -> Any:
 
 def is_broadcast(tensor: torch.Tensor) -> bool:
     """Whether elements of ``tensor`` share memory (a dimension of stride 0, expanded)."""
-    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    strides = tensor.stride()
+    return 0 in strides and any(
+        stride == 0 and size > 1 for size, stride in zip(tensor.shape, strides, strict=True))
 
 
 class _Broadcast:

@@ -31,4 +31,10 @@ class TupleMessage:
         names: tuple[str, ...] = cls.__slots__
         if type(values) is not tuple or len(values) != len(names):
             raise ProtocolError(f"malformed {cls.__name__} message")
-        return cls(**dict(zip(names, values, strict=True)))
+        message = object.__new__(cls)  # the fields as they came: no keyword __init__ call
+        for name, value in zip(names, values, strict=True):
+            _set(message, name, value)  # frozen dataclasses refuse plain assignment
+        return message
+
+
+_set = object.__setattr__
