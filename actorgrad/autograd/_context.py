@@ -98,7 +98,8 @@ def _small_graph(ctx: DistContext) -> bool:
     walk. A context without a backward holds a forward graph torch frees iteratively,
     as for any user tensor.
     """
-    return all(task.plan is not None and task.planning is None for task in ctx.graph_tasks.values())
+    return not ctx.graph_tasks or all(
+        task.plan is not None and task.planning is None for task in ctx.graph_tasks.values())
 
 
 reaper = _Reaper()
@@ -295,20 +296,25 @@ class ContextActor(CallHooks):
         ctx = self.contexts.pop(context_id, None)
         if ctx is None:
             return
-        if len(self._released) == self._released.maxlen:
-            self._released_set.discard(self._released[0])
-        self._released.append(context_id)
-        self._released_set.add(context_id)
+        if context_id >> ID_BITS != self.worker.rank:
+            # a late message for it must not recreate it (ours are known by their id)
+            if len(self._released) == self._released.maxlen:
+                self._released_set.discard(self._released[0])
+            self._released.append(context_id)
+            self._released_set.add(context_id)
         ctx.released = True
-        for handle in ctx.hooked.values():
-            handle.remove()
-        ctx.hooked.clear()
+        if ctx.hooked:
+            for handle in ctx.hooked.values():
+                handle.remove()
+            ctx.hooked.clear()
         if _small_graph(ctx):
             # freed right here: a hand-over to the reaper thread costs more, and that
             # thread holding the GIL while it frees delays this loop by milliseconds
             _clear(ctx)
         else:
             reaper.drop(ctx)
+        if not ctx.peers:
+            return
         peers = ctx.peers - {came_from, self.worker.rank}
         if peers:
             message = ReleaseContext(context_id=context_id).dump()
@@ -361,20 +367,20 @@ class context:  # noqa: N801 - named like torch.distributed.autograd.context
     """
 
     def __init__(self) -> None:
+        self._actor: ContextActor | None = None
         self._ctx: DistContext | None = None
         self._token: contextvars.Token[DistContext | None] | None = None
 
     def __enter__(self) -> int:
-        actor = context_actor()
-        self._ctx = actor.create()
+        self._actor = context_actor()
+        self._ctx = self._actor.create()
         self._token = current_context.set(self._ctx)
         return self._ctx.context_id
 
     def __exit__(self, *exc: object) -> None:
-        assert self._ctx is not None and self._token is not None
+        assert self._actor is not None and self._ctx is not None and self._token is not None
         current_context.reset(self._token)
-        with contextlib.suppress(RuntimeError):
-            context_actor().release(self._ctx.context_id)
+        self._actor.release(self._ctx.context_id)
 
     async def __aenter__(self) -> int:
         return self.__enter__()

@@ -380,6 +380,41 @@ async def test_context_released_everywhere_after_exit(group3):
     await wait_released(["worker0", "worker1", "worker2"])
 
 
+def deliver_late_message(context_id: int) -> int:
+    """On the worker running it: record a received tensor under ``context_id`` as a
+    message arriving after the context was released there would; returns the number
+    of live contexts afterwards."""
+    from actorgrad.autograd._context import context_actor
+    from actorgrad.runtime import get_worker
+    from actorgrad.wire import Payload
+
+    worker = get_worker()
+    payload = Payload(Payload.dump(torch.ones(2, requires_grad=True)).body)
+    payload.load()
+    context_actor(worker).on_receive(worker, (context_id, 12345), payload, 0)
+    return ag.autograd.debug_info()["num_autograd_contexts"]
+
+
+async def own_context_then_late_message() -> int:
+    async with ag.autograd.context() as context_id:
+        pass
+    return deliver_late_message(context_id)
+
+
+async def test_late_message_does_not_recreate_a_released_context(group3):
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        await ag.rpc_async("worker1", torch.mul, args=(x, x))
+    await wait_released(["worker0", "worker1"])
+    # a context created elsewhere (remembered as released) and one created here
+    # (known by the rank in its id) stay released
+    assert await ag.rpc_async("worker1", deliver_late_message, args=(context_id,)) == 0
+    assert await ag.rpc_async("worker1", own_context_then_late_message) == 0
+    # a context never seen here is created by its first message, as it should
+    async with ag.autograd.context() as fresh:
+        assert await ag.rpc_async("worker2", deliver_late_message, args=(fresh,)) == 1
+
+
 async def test_context_released_when_body_raises(group3):
     x = rand3()
     with pytest.raises(ZeroDivisionError):
