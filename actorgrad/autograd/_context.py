@@ -20,7 +20,6 @@ import contextvars
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +217,25 @@ class DistContext:
         return "unknown"
 
 
+class _ContextScope:
+    """Within the block, ``current_context`` is ``ctx`` (a callee runs in its caller's
+    context). A class rather than a generator: one is entered per served call."""
+
+    __slots__ = ("ctx", "token")
+
+    def __init__(self, ctx: DistContext | None) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        self.token = current_context.set(self.ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        current_context.reset(self.token)
+
+
+_NO_SCOPE = contextlib.nullcontext()
+
+
 class ContextActor(CallHooks):
     """Owns this worker's contexts; records send/recv pairs as the RPC hooks."""
 
@@ -279,16 +297,8 @@ class ContextActor(CallHooks):
             for i, leaf in enumerate(leaves):
                 ctx.recv_of_leaf[id(leaf)] = (message_id, i)
 
-    @contextlib.contextmanager
-    def scope(self, worker: Worker, meta: Any) -> Iterator[None]:
-        if meta is None:
-            yield
-            return
-        token = current_context.set(self.contexts.get(meta[0]))
-        try:
-            yield
-        finally:
-            current_context.reset(token)
+    def scope(self, worker: Worker, meta: Any) -> contextlib.AbstractContextManager[None]:
+        return _NO_SCOPE if meta is None else _ContextScope(self.contexts.get(meta[0]))
 
     # -- release --------------------------------------------------------------------
     def release(self, context_id: int, came_from: int | None = None) -> None:

@@ -8,7 +8,6 @@ distributed autograd context without the RPC layer knowing about autograd.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,10 +28,12 @@ class CallHooks:
     def on_receive(self, worker: Worker, meta: Any, payload: Payload, src: int) -> None:
         """A payload was unpickled; ``payload.tensors`` are the rebuilt tensors."""
 
-    @contextlib.contextmanager
-    def scope(self, worker: Worker, meta: Any) -> Iterator[None]:
+    def scope(self, worker: Worker, meta: Any) -> contextlib.AbstractContextManager[None]:
         """The environment a callee runs in (the caller's autograd context)."""
-        yield
+        return _NO_SCOPE
+
+
+_NO_SCOPE = contextlib.nullcontext()
 
 
 hooks = CallHooks()
