@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .._errors import ContextError
-from ..rpc import CallHooks
+from ..rpc import NO_SCOPE, CallHooks
 from ..runtime import Worker, get_worker
 from ..wire import Payload
 from ._messages import ReleaseContext, is_broadcast
@@ -233,8 +233,6 @@ class _ContextScope:
         current_context.reset(self.token)
 
 
-_NO_SCOPE = contextlib.nullcontext()
-
 
 class ContextActor(CallHooks):
     """Owns this worker's contexts; records send/recv pairs as the RPC hooks."""
@@ -248,6 +246,9 @@ class ContextActor(CallHooks):
 
     def new_id(self) -> int:
         return (self.worker.rank << ID_BITS) | next(self._ids)
+
+    def _minted_here(self, some_id: int) -> bool:
+        return some_id >> ID_BITS == self.worker.rank
 
     def create(self) -> DistContext:
         ctx = DistContext(self.new_id())
@@ -287,7 +288,7 @@ class ContextActor(CallHooks):
         context_id, message_id = meta
         ctx = self.contexts.get(context_id)
         if ctx is None:
-            if context_id in self._released_set or context_id >> ID_BITS == self.worker.rank:
+            if context_id in self._released_set or self._minted_here(context_id):
                 return  # a late message for a context released here: nothing to record
             ctx = self.contexts[context_id] = DistContext(context_id)
         ctx.peers.add(src)
@@ -298,7 +299,7 @@ class ContextActor(CallHooks):
                 ctx.recv_of_leaf[id(leaf)] = (message_id, i)
 
     def scope(self, worker: Worker, meta: Any) -> contextlib.AbstractContextManager[None]:
-        return _NO_SCOPE if meta is None else _ContextScope(self.contexts.get(meta[0]))
+        return NO_SCOPE if meta is None else _ContextScope(self.contexts.get(meta[0]))
 
     # -- release --------------------------------------------------------------------
     def release(self, context_id: int, came_from: int | None = None) -> None:
@@ -306,7 +307,7 @@ class ContextActor(CallHooks):
         ctx = self.contexts.pop(context_id, None)
         if ctx is None:
             return
-        if context_id >> ID_BITS != self.worker.rank:
+        if not self._minted_here(context_id):
             # a late message for it must not recreate it (ours are known by their id)
             if len(self._released) == self._released.maxlen:
                 self._released_set.discard(self._released[0])

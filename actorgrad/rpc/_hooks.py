@@ -30,10 +30,10 @@ class CallHooks:
 
     def scope(self, worker: Worker, meta: Any) -> contextlib.AbstractContextManager[None]:
         """The environment a callee runs in (the caller's autograd context)."""
-        return _NO_SCOPE
+        return NO_SCOPE
 
 
-_NO_SCOPE = contextlib.nullcontext()
+NO_SCOPE = contextlib.nullcontext()  # a callee outside any context: nothing to enter
 
 
 hooks = CallHooks()
