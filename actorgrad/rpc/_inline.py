@@ -18,15 +18,18 @@ GIL hand-over, several times the cost of a small function itself.
   pool where the run itself is slower than on the loop): below it, running inline
   holds the loop no longer than the hop would have delayed the answer.
 - A run slower than ``SLOW_SECONDS``, in the pool or inline, counts against the
-  function (at that size class) when another slow run came less than
-  ``SLOW_AGAIN_WITHIN`` seconds before it, or when it took longer than
+  function (at that size class) when its previous slow run came at most
+  ``SLOW_AGAIN_WITHIN_RUNS`` runs before, or when it took longer than
   ``BLOCKING_SECONDS``: a *strike*. The function goes back to the pool and needs twice
-  as many fast runs as before to be inlined again. Wall time also grows when the
-  machine is busy (a run preempted by another process, waiting for the GIL): on a
-  small VM a 50 us function now and then takes over a millisecond, and striking it
-  for each would send it to the pool for longer and longer, and in the end for good.
-  A function that really blocks is slow again and again, so it stalls the loop a few
-  times at most; after ``MAX_STRIKES`` it stays on the pool.
+  as many fast runs as before to be inlined again. Slowness is judged by runs, not by
+  time: wall time also grows when the machine is busy (a run preempted by another
+  process, waiting for the GIL), and a 50 us function called thousands of times a
+  second on a small VM takes over a millisecond now and then, so two such runs within
+  any fixed time come often and would keep a quick function on the pool. A function
+  that really blocks is slow on a good share of its runs (one in eight suffices), so
+  it stalls the loop a few times at most. Strikes more than ``FORGIVE_AFTER_RUNS``
+  runs apart do not add up (a busy stretch of the machine now and then costs one
+  short stay on the pool); after ``MAX_STRIKES`` that do, it stays on the pool.
 - A function that made a blocking call into a worker (``rpc_sync`` and friends,
   which a caller on the loop thread could not make) stays on the pool for good.
 - Functions are known by their code object, so a lambda or ``__main__`` function that
@@ -48,7 +51,8 @@ from ..runtime._sync import blocking_calls
 PROMOTE_AFTER = 8
 FAST_SECONDS = 200e-6
 SLOW_SECONDS = 1e-3
-SLOW_AGAIN_WITHIN = 1.0
+SLOW_AGAIN_WITHIN_RUNS = 8
+FORGIVE_AFTER_RUNS = 1000
 BLOCKING_SECONDS = 50e-3
 MAX_STRIKES = 10
 _MAX_TRACKED = 4096
@@ -75,7 +79,9 @@ class InlinePolicy:
         self._strikes: dict[Learned, int] = {}
         self._inline: set[Learned] = set()
         self._never: set[types.CodeType] = set()
-        self._slow_at: dict[Learned, float] = {}  # when its last slow run ended
+        self._runs: dict[Learned, int] = {}  # runs so far (pool and inline)
+        self._slow_at: dict[Learned, int] = {}  # the run count at its last slow run
+        self._struck_at: dict[Learned, int] = {}  # the run count at its last strike
 
     @staticmethod
     def key(func: Callable[..., Any]) -> types.CodeType | None:
@@ -114,11 +120,12 @@ class InlinePolicy:
         return job
 
     def _pool_run(self, learned: Learned, elapsed: float, blocked: bool) -> None:
+        run = self._count(learned)
         if blocked:
             self._ban(learned[0])
         elif elapsed > SLOW_SECONDS:
-            if self._slow_again(learned, elapsed):
-                self._strike(learned)
+            if self._slow_again(learned, elapsed, run):
+                self._strike(learned, run)
         elif elapsed <= FAST_SECONDS and learned not in self._inline:
             runs = self._fast_runs.get(learned, 0) + 1
             if runs < PROMOTE_AFTER << self._strikes.get(learned, 0):
@@ -130,31 +137,43 @@ class InlinePolicy:
 
     def inline_run(self, code: types.CodeType, elapsed: float, nbytes: int = 0) -> None:
         """An inline run took ``elapsed`` seconds; a slow one may be a strike."""
-        if elapsed > SLOW_SECONDS:
-            learned = (code, size_class(nbytes))
-            if self._slow_again(learned, elapsed):
-                self._strike(learned)
+        learned = (code, size_class(nbytes))
+        run = self._count(learned)
+        if elapsed > SLOW_SECONDS and self._slow_again(learned, elapsed, run):
+            self._strike(learned, run)
 
-    def _slow_again(self, learned: Learned, elapsed: float) -> bool:
-        """A slow run: whether it is a strike (a second one soon after, or a block)."""
-        now = _perf_counter()
+    def _count(self, learned: Learned) -> int:
+        """Count one more run of ``learned``; its number."""
+        runs = self._runs
+        run = runs.get(learned, 0) + 1
+        if run > 1 or len(runs) < _MAX_TRACKED:
+            runs[learned] = run
+        return run
+
+    def _slow_again(self, learned: Learned, elapsed: float, run: int) -> bool:
+        """A slow run (number ``run``): whether it is a strike (a block, or a second
+        slow run within a few runs)."""
         last = self._slow_at.get(learned)
         if len(self._slow_at) < _MAX_TRACKED or last is not None:
-            self._slow_at[learned] = now
-        return elapsed > BLOCKING_SECONDS or (last is not None and now - last <= SLOW_AGAIN_WITHIN)
+            self._slow_at[learned] = run
+        return elapsed > BLOCKING_SECONDS or (last is not None and run - last <= SLOW_AGAIN_WITHIN_RUNS)
 
-    def _strike(self, learned: Learned) -> None:
+    def _strike(self, learned: Learned, run: int) -> None:
         self._inline.discard(learned)
         self._fast_runs.pop(learned, None)
-        strikes = self._strikes.get(learned, 0) + 1
+        last = self._struck_at.get(learned)
+        forgiven = last is None or run - last > FORGIVE_AFTER_RUNS
+        strikes = (0 if forgiven else self._strikes.get(learned, 0)) + 1
+        if len(self._struck_at) < _MAX_TRACKED or last is not None:
+            self._struck_at[learned] = run
         if strikes >= MAX_STRIKES:
             self._ban(learned[0])
-        elif len(self._strikes) < _MAX_TRACKED:
+        elif len(self._strikes) < _MAX_TRACKED or learned in self._strikes:
             self._strikes[learned] = strikes
 
     def _ban(self, code: types.CodeType) -> None:
         """Never again inline, at any size: it blocks (or kept being slow)."""
-        for table in (self._fast_runs, self._strikes, self._slow_at):
+        for table in (self._fast_runs, self._strikes, self._slow_at, self._struck_at, self._runs):
             for learned in [k for k in table if k[0] is code]:
                 del table[learned]
         self._inline = {k for k in self._inline if k[0] is not code}

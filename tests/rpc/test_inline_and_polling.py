@@ -13,7 +13,16 @@ import time
 import torch
 
 import actorgrad as ag
-from actorgrad.rpc._inline import BLOCKING_SECONDS, PROMOTE_AFTER, SLOW_SECONDS, size_class
+from actorgrad.rpc._inline import (
+    BLOCKING_SECONDS,
+    FAST_SECONDS,
+    FORGIVE_AFTER_RUNS,
+    PROMOTE_AFTER,
+    SLOW_AGAIN_WITHIN_RUNS,
+    SLOW_SECONDS,
+    InlinePolicy,
+    size_class,
+)
 
 
 def thread_name(x: object = None) -> str:
@@ -99,6 +108,16 @@ async def test_one_slow_run_now_and_then_is_forgiven(group2):
     names = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
     assert not on_pool(names[-1])
     assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
+    assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(0.0,)))
+
+
+async def test_slow_runs_far_apart_in_a_busy_stretch_are_forgiven(group2):
+    """Two preempted runs within a few milliseconds, but many runs apart: the machine."""
+    names = await call_n(fast_then_slow, PROMOTE_AFTER + 2, 0.0)
+    assert not on_pool(names[-1])
+    for _ in range(2):
+        assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(SLOW_SECONDS * 3,)))
+        await call_n(fast_then_slow, SLOW_AGAIN_WITHIN_RUNS, 0.0)
     assert not on_pool(await ag.rpc_async("worker1", fast_then_slow, args=(0.0,)))
 
 
@@ -191,3 +210,58 @@ def returns_a_coroutine(x: int) -> object:
 async def test_inlined_function_returning_an_awaitable_is_awaited(group2):
     results = [await ag.rpc_async("worker1", returns_a_coroutine, args=(i,)) for i in range(PROMOTE_AFTER + 5)]
     assert results == [2 * i for i in range(PROMOTE_AFTER + 5)]
+
+
+# -- the policy on its own: runs reported with chosen times ------------------------------
+FAST, SLOW = FAST_SECONDS / 2, SLOW_SECONDS * 2
+CODE = thread_name.__code__
+
+
+def _learned(policy: InlinePolicy, fast_pool_runs: int) -> bool:
+    """Report ``fast_pool_runs`` quick pool runs; whether the function is inline now."""
+    for _ in range(fast_pool_runs):
+        policy._pool_run((CODE, 0), FAST, False)
+    return policy.runs_inline(CODE)
+
+
+def _struck(policy: InlinePolicy) -> None:
+    """Two slow inline runs in a row: one strike, back to the pool."""
+    policy.inline_run(CODE, SLOW)
+    policy.inline_run(CODE, SLOW)
+    assert not policy.runs_inline(CODE)
+
+
+def test_a_function_slow_on_one_run_in_four_is_struck():
+    policy = InlinePolicy()
+    assert _learned(policy, PROMOTE_AFTER)
+    for run in range(12):
+        policy.inline_run(CODE, SLOW if run % 4 == 0 else FAST)
+    assert not policy.runs_inline(CODE)
+
+
+def test_a_function_slow_once_in_many_runs_stays_inline():
+    policy = InlinePolicy()
+    assert _learned(policy, PROMOTE_AFTER)
+    for run in range(20 * (SLOW_AGAIN_WITHIN_RUNS + 1)):
+        policy.inline_run(CODE, SLOW if run % (SLOW_AGAIN_WITHIN_RUNS + 1) == 0 else FAST)
+    assert policy.runs_inline(CODE)
+
+
+def test_strikes_close_together_double_the_evidence_each_time():
+    policy = InlinePolicy()
+    assert _learned(policy, PROMOTE_AFTER)
+    _struck(policy)
+    assert not _learned(policy, 2 * PROMOTE_AFTER - 1) and _learned(policy, 1)
+    _struck(policy)
+    assert not _learned(policy, 4 * PROMOTE_AFTER - 1) and _learned(policy, 1)
+
+
+def test_strikes_far_apart_do_not_add_up():
+    policy = InlinePolicy()
+    assert _learned(policy, PROMOTE_AFTER)
+    _struck(policy)
+    assert _learned(policy, 2 * PROMOTE_AFTER)
+    for _ in range(FORGIVE_AFTER_RUNS):
+        policy.inline_run(CODE, FAST)
+    _struck(policy)  # a strike again, but the first one is long past
+    assert not _learned(policy, 2 * PROMOTE_AFTER - 1) and _learned(policy, 1)
