@@ -22,6 +22,14 @@ then answered by one message instead of 2K relayed ones. The duty only moves to 
 caller itself or to the worker it called, whose loss fails the caller's call at once;
 anything else is called and awaited as before.
 
+A worker whose send job would do nothing but hand the gradients, unchanged, to a recv
+entry from the same peer (a chain's caller passing each result on as it came) names
+such pairs, *relays*, in its first PROPAGATE_GRADS to that peer of the pass; the peer
+then runs its own matching send job itself when the recv completes, instead of a round
+trip. A chain of K hops so costs one gradient message each way, not 2K. The relaying
+worker's plan keeps the pair waiting; nothing waits on it, and the peer reports both
+pairs fired.
+
 FAST mode (PyTorch's): every send entry of the context is a start. An RPC whose output
 the roots do not use leaves its send waiting; PyTorch waits forever, we finish all that
 can finish, see from the answers which send/recv pairs stayed silent, and raise
@@ -51,10 +59,13 @@ from ._messages import (
     DESCRIBE,
     BackwardReport,
     PropagateGrads,
+    Relay,
     Traverse,
     pack_ids,
+    pack_relays,
     travelling,
     unpack_ids,
+    unpack_relays,
 )
 from ._plan import Plan, TooBig, make_plan, reached_recvs, suppressing
 
@@ -81,6 +92,8 @@ class GraphTask:
     plan: Plan | None = None
     planning: asyncio.Future[Plan] | None = None
     reported_pairs: bool = False  # FAST: this worker's pairs went into a report already
+    relays: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # recv -> send, order
+    relays_told: set[int] = field(default_factory=set)  # peers told our relays already
 
 
 @dataclass(slots=True, frozen=True)
@@ -228,7 +241,7 @@ class EngineActor:
         """A PROPAGATE_GRADS call: the reply, a task making it, or None when the duty
         to answer went along with the one propagation this one caused."""
         owed = (peer.rank, self.worker.serving_request, self.worker.rank)
-        outcome = self._serve(PropagateGrads.load(payload), owed)
+        outcome = self._serve(PropagateGrads.load(payload), owed, peer.rank)
         if outcome is None or isinstance(outcome, BackwardReport):
             return None if outcome is None else outcome.dump()
 
@@ -245,7 +258,7 @@ class EngineActor:
             return
         caller, request_id, _ = msg.reply
         try:
-            outcome = self._serve(msg, msg.reply)
+            outcome = self._serve(msg, msg.reply, peer.rank)
         except Exception as exc:
             self._answer(caller, request_id, exc)
             return
@@ -279,7 +292,7 @@ class EngineActor:
             worker.answer(caller, request_id, reply)
 
     def _serve(
-        self, msg: PropagateGrads, owed: tuple[int, int, int]
+        self, msg: PropagateGrads, owed: tuple[int, int, int], sender: int
     ) -> BackwardReport | Awaitable[BackwardReport | None] | None:
         """Run the job of the send entry the gradients are for, and what it completes.
 
@@ -290,6 +303,8 @@ class EngineActor:
         entry = self._send_entry(ctx, msg.message_id)
         entry.fired = True
         task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
+        if msg.relays:
+            self._take_relays(ctx, task, unpack_relays(msg.relays), sender)
         key = ("send", msg.message_id)
         grads = list(msg.grads)
         incoming = BackwardReport(pairs=unpack_ids(msg.pairs), fired=unpack_ids(msg.fired) | {msg.message_id})
@@ -320,6 +335,8 @@ class EngineActor:
         The duty goes along only to the caller itself or to the worker it called, so a
         lost worker on the way still fails the caller's call at once.
         """
+        if task.relays and fires:
+            report, fires = self._relay(ctx, task, report, fires, stops)
         if not fires and not stops:
             return report
         if owed is not None and len(fires) == 1 and not stops:
@@ -476,13 +493,93 @@ class EngineActor:
         recv = ctx.recvs[message_id]
         recv.fired = True
         grads = task.plan.recvs[message_id].grads  # type: ignore[union-attr]
+        relays = b""
+        if recv.peer not in task.relays_told:
+            task.relays_told.add(recv.peer)
+            relays = pack_relays(self._relays_to(ctx, task, recv.peer))
         return PropagateGrads(
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
             grads=tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))),
             mode=task.mode, retain_graph=task.retain_graph, reply=reply,
             pairs=pack_ids(report.pairs) if report is not None else b"",
             fired=pack_ids(report.fired) if report is not None else b"",
+            relays=relays,
         )
+
+    # -- relays ---------------------------------------------------------------------
+    @staticmethod
+    def _relays_to(ctx: DistContext, task: GraphTask, peer: int) -> list[Relay]:
+        """Our sends to ``peer`` whose job only hands its gradients, unchanged, to one
+        recv entry from ``peer`` that nothing else feeds (an RPC result passed on as it
+        came, as in a chain of calls): ``peer`` may run the matching send of its own
+        right away instead of shipping the gradients here to be shipped back."""
+        plan = task.plan
+        assert plan is not None
+        relays = []
+        for key, feeds in plan.feeds.items():
+            if type(key) is not tuple or key[0] != "send" or feeds.leaves or feeds.stops or not feeds.recv_leaves:
+                continue
+            send = ctx.sends[key[1]]
+            recv_id = feeds.recv_leaves[0][1]
+            recv = ctx.recvs[recv_id]
+            if (send.peer != peer or recv.peer != peer or plan.recvs[recv_id].pending != 1
+                    or any(m != recv_id for _, m, _ in feeds.recv_leaves)):
+                continue
+            if (order := _passed_on(send.tensors, recv.leaves)) is not None:
+                relays.append((key[1], recv_id, order))
+        return relays
+
+    def _take_relays(self, ctx: DistContext, task: GraphTask, relays: list[Relay], peer: int) -> None:
+        """Record ``peer``'s relays: our recv ``send_id`` (paired with its send) feeds our
+        send ``recv_id`` (paired with its recv), leaf i to tensor ``order[i]``."""
+        for send_id, recv_id, order in relays:
+            recv, send = ctx.recvs.get(send_id), ctx.sends.get(recv_id)
+            if (recv is None or send is None or recv.peer != peer or send.peer != peer
+                    or len(order) != len(recv.leaves) or len(set(order)) != len(order)
+                    or any(j >= len(send.tensors) for j in order)
+                    or any(_meta(leaf) != _meta(send.tensors[j]) for leaf, j in zip(recv.leaves, order, strict=True))):
+                raise ContextError(
+                    f"rank {peer} named a relay from recv {send_id} to send {recv_id} that does "
+                    f"not match the entries of context {ctx.context_id} on {self.worker.name}"
+                )
+            task.relays[send_id] = (recv_id, order)
+
+    def _relay(
+        self, ctx: DistContext, task: GraphTask, report: BackwardReport, fires: list[int],
+        stops: list[asyncio.Future[Any]],
+    ) -> tuple[BackwardReport, list[int]]:
+        """Run here the sends that complete recvs relay to (see :meth:`_relays_to`), and
+        what they complete in turn; returns the report and the recvs left to fire.
+        Small jobs run right here, one after the other (a chain of K hops is K jobs in
+        this loop, not K round trips); big ones start like stops."""
+        plan = task.plan
+        assert plan is not None
+        left, todo = [], list(fires)
+        while todo:
+            recv_id = todo.pop()
+            relay = task.relays.pop(recv_id, None)
+            if relay is None or ("send", relay[0]) not in plan.feeds:
+                left.append(recv_id)
+                continue
+            send_id, order = relay
+            ctx.recvs[recv_id].fired = True
+            entry = ctx.sends[send_id]
+            entry.fired = True
+            by_leaf = plan.recvs[recv_id].grads
+            grads: list[torch.Tensor | None] = [None] * len(entry.tensors)
+            for i, j in enumerate(order):
+                grads[j] = by_leaf.get(i)
+            report = report.merge(BackwardReport(pairs=frozenset(), fired=frozenset((recv_id, send_id))))
+            key = ("send", send_id)
+            job = self._job(ctx, task, key, entry.tensors, grads)
+            if job.small:
+                more, new_fires, new_stops = self._deliver(ctx, task, key, job.compute())
+                report = report.merge(more)
+                todo.extend(new_fires)
+                stops.extend(new_stops)
+            else:
+                stops.append(asyncio.ensure_future(self._run_job(ctx, task, key, entry.tensors, grads, job=job)))
+        return report, left
 
     def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int) -> asyncio.Future[Payload]:
         message = self._propagation(ctx, task, message_id)
@@ -568,6 +665,27 @@ def _leaf_gradients(
             return None
         results.append(by_leaf[id(target)])
     return results
+
+
+def _passed_on(tensors: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """For each of a send's ``tensors``, the index of the recv leaf it hands its
+    gradient to unchanged: each is a received tensor passed on as it came (its grad_fn
+    the recv node of one of ``leaves``), without hooks, each leaf once. None otherwise."""
+    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+    order = []
+    for tensor in tensors:
+        node = tensor.grad_fn
+        if type(node) is not _RECV_NODE or tensor._backward_hooks:
+            return None
+        i = index.pop(id(node.next_functions[1][0].variable), None)  # type: ignore[union-attr]  # see _as_recv_output
+        if i is None:
+            return None  # another entry's leaf, or this one's twice
+        order.append(i)
+    return tuple(order)
+
+
+def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tensor.shape, tensor.dtype, tensor.device
 
 
 def _add(grads: dict[int, torch.Tensor], index: int, grad: torch.Tensor) -> None:

@@ -25,6 +25,10 @@ class PropagateGrads(TupleMessage):
     with ``reply`` = (caller rank, request id, rank of the worker called) and the
     report so far (``pairs``, ``fired``), and whoever finishes the work answers the
     caller directly (see ``Worker.answer``).
+
+    ``relays`` (see :func:`pack_relays`) names sends of the sender whose gradients it
+    would only hand back to the receiver: the receiver feeds them to its own matching
+    sends itself instead of a round trip.
     """
 
     TARGET = "autograd.propagate"
@@ -38,6 +42,7 @@ class PropagateGrads(TupleMessage):
     reply: tuple[int, int, int] | None = None
     pairs: bytes = b""  # message ids, packed (see pack_ids)
     fired: bytes = b""
+    relays: bytes = b""  # see pack_relays
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:
@@ -52,6 +57,33 @@ def unpack_ids(packed: bytes) -> frozenset[int]:
     ids = array.array("Q")
     ids.frombytes(packed)
     return frozenset(ids)
+
+
+Relay = tuple[int, int, tuple[int, ...]]  # (send id, recv id, recv leaf index per send tensor)
+
+
+def pack_relays(relays: Iterable[Relay]) -> bytes:
+    """Relays as one bytes object: per relay its send id, recv id, the number of the
+    send's tensors and, for each, the index of the recv leaf it passes its gradient to."""
+    packed = array.array("Q")
+    for send_id, recv_id, order in relays:
+        packed.extend((send_id, recv_id, len(order), *order))
+    return packed.tobytes()
+
+
+def unpack_relays(packed: bytes) -> list[Relay]:
+    if type(packed) is not bytes or len(packed) % 8:
+        raise ProtocolError("malformed autograd relays")
+    values = array.array("Q")
+    values.frombytes(packed)
+    relays, at = [], 0
+    while at < len(values):
+        if at + 3 > len(values) or at + 3 + values[at + 2] > len(values):
+            raise ProtocolError("malformed autograd relays")
+        count = values[at + 2]
+        relays.append((values[at], values[at + 1], tuple(values[at + 3:at + 3 + count])))
+        at += 3 + count
+    return relays
 
 
 def travelling(grad: torch.Tensor | None) -> Any:

@@ -622,9 +622,9 @@ async def test_fan_out_fan_in_layers_propagate_once_per_pair(make_group, monkeyp
     calls = []
     original = ag.autograd.EngineActor._serve  # every PROPAGATE_GRADS, called or passed on
 
-    def counting(self, msg, owed):  # type: ignore[no-untyped-def]
+    def counting(self, msg, *rest):  # type: ignore[no-untyped-def]
         calls.append(self.worker.rank)
-        return original(self, msg, owed)
+        return original(self, msg, *rest)
 
     monkeypatch.setattr(ag.autograd.EngineActor, "_serve", counting)
     await make_group(3)

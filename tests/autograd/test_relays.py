@@ -1,0 +1,251 @@
+"""Relays: a worker that would only hand gradients back (an RPC result passed on to the
+same worker as it came) lets that worker feed its own send directly.
+
+A chain of K round trips whose results are passed on then needs one propagation each
+way instead of 2K; gradients, hooks, FAST mode's check and retain_graph must come out
+as without relays, and wherever the caller has something to do with the gradient (the
+result is also used here, a hook, another worker) it still gets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _ag_helpers import assert_grads, local_copies, wait_released
+
+import actorgrad as ag
+from actorgrad._errors import ContextError, ProtocolError
+from actorgrad.autograd._context import DistContext, RecvEntry, SendEntry
+from actorgrad.autograd._engine import EngineActor, GraphTask
+from actorgrad.autograd._messages import pack_relays, unpack_relays
+
+
+def sin3(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 3
+
+
+def pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return a * b, a - 2 * b
+
+
+def rand3() -> torch.Tensor:
+    return torch.rand(3, 3, requires_grad=True)
+
+
+def count_served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rank of every worker that serves a PROPAGATE_GRADS (called or passed on)."""
+    served: list[int] = []
+    original = EngineActor._serve
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        served.append(self.worker.rank)
+        return original(self, *args)
+
+    monkeypatch.setattr(EngineActor, "_serve", counting)
+    return served
+
+
+async def chain(x: torch.Tensor, hops: int, to: str = "worker1", fn=sin3) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    y = x
+    for _ in range(hops):
+        y = await ag.rpc_async(to, fn, args=(y,))
+    return y
+
+
+def local_chain(x: torch.Tensor, hops: int) -> torch.Tensor:
+    for _ in range(hops):
+        x = sin3(x)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_results_passed_on_need_one_propagation_each_way(group2, monkeypatch, mode):
+    served = count_served(monkeypatch)
+    hops = 6
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await chain(x, hops)
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode=mode), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    local_chain(lx, hops).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    # worker1 runs all six hops on one propagation; the last one brings x's gradient
+    assert served == [1, 0], served
+    await wait_released(["worker0", "worker1"])
+
+
+async def test_a_result_also_used_here_is_not_relayed(group2, monkeypatch):
+    served = count_served(monkeypatch)
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        a = await ag.rpc_async("worker1", sin3, args=(x,))
+        b = await ag.rpc_async("worker1", sin3, args=(a,))
+        loss = b.sum() + (a * a).sum()  # a's gradient is summed here, from two sources
+        await asyncio.wait_for(ag.autograd.backward(context_id, [loss]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    la = sin3(lx)
+    (sin3(la).sum() + (la * la).sum()).backward()
+    assert_grads(grads, [(x, lx.grad)])
+    assert len(served) == 4, served  # every pair carries its gradients itself
+
+
+async def test_a_hook_on_a_passed_on_result_still_runs(group2):
+    x = rand3()
+    seen: list[torch.Tensor] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(grad)
+        return grad * 5
+
+    async with ag.autograd.context() as context_id:
+        a = await ag.rpc_async("worker1", sin3, args=(x,))
+        a.register_hook(hook)
+        b = await ag.rpc_async("worker1", sin3, args=(a,))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [b.sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    la = sin3(lx)
+    la.register_hook(lambda g: g * 5)
+    sin3(la).sum().backward()
+    assert len(seen) == 1
+    assert_grads(grads, [(x, lx.grad)])
+
+
+async def test_results_passed_on_in_another_order(group2, monkeypatch):
+    served = count_served(monkeypatch)
+    a0, b0 = rand3(), rand3()
+    async with ag.autograd.context() as context_id:
+        a, b = await ag.rpc_async("worker1", pair, args=(a0, b0))
+        for _ in range(3):
+            a, b = await ag.rpc_async("worker1", pair, args=(b, a))  # swapped each time
+        await asyncio.wait_for(ag.autograd.backward(context_id, [(a * 3 + b).sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    la0, lb0 = local_copies(a0, b0)
+    la, lb = pair(la0, lb0)
+    for _ in range(3):
+        la, lb = pair(lb, la)
+    (la * 3 + lb).sum().backward()
+    assert_grads(grads, [(a0, la0.grad), (b0, lb0.grad)])
+    assert served == [1, 0], served
+
+
+async def test_one_of_two_results_passed_on(group2):
+    a0, b0 = rand3(), rand3()
+    async with ag.autograd.context() as context_id:
+        a, b = await ag.rpc_async("worker1", pair, args=(a0, b0))
+        c = await ag.rpc_async("worker1", sin3, args=(b,))  # a is dropped
+        d = await ag.rpc_async("worker1", sin3, args=(c,))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [d.sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    la0, lb0 = local_copies(a0, b0)
+    _, lb = pair(la0, lb0)
+    sin3(sin3(lb)).sum().backward()
+    assert_grads(grads, [(a0, la0.grad), (b0, lb0.grad)])
+
+
+async def test_retain_graph_relays_again(group2):
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await chain(x, 4)
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], retain_graph=True), 10)
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    local_chain(lx, 4).sum().backward()
+    assert_grads(grads, [(x, 2 * lx.grad)])
+
+
+async def test_a_result_passed_to_another_worker(make_group):
+    """worker1's result goes on to worker2 and back to worker1: no relay applies to the
+    hop that changes workers, the gradients still arrive everywhere."""
+    await make_group(3)
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        a = await chain(x, 2, "worker1")
+        b = await chain(a, 2, "worker2")
+        c = await chain(b, 2, "worker1")
+        await asyncio.wait_for(ag.autograd.backward(context_id, [c.sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    local_chain(lx, 6).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    await wait_released(["worker0", "worker1", "worker2"])
+
+
+async def test_unused_rpc_is_still_reported_next_to_relays(group2):
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await chain(x, 3)
+        await ag.rpc_async("worker1", sin3, args=(x * 2,))  # its output is never used
+        with pytest.raises(ag.ContextError, match="2 RPC send/recv pair"):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode="fast"), 10)
+    await wait_released(["worker0", "worker1"])
+
+
+async def test_relays_between_processes(make_process_group):
+    await make_process_group(2)
+
+    def by_value(x):  # type: ignore[no-untyped-def]  # a local function travels by value
+        return torch.sin(x) * 3
+
+    hops = 5
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await chain(x, hops, fn=by_value)
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    local_chain(lx, hops).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
+# -- the relay table on its own ---------------------------------------------------------
+def test_relays_travel_as_packed_ids():
+    relays = [(7, 9, (1, 0)), (1 << 50, 3, ()), (4, 5, (0,))]
+    assert unpack_relays(pack_relays(relays)) == relays
+
+
+@pytest.mark.parametrize("packed", [b"\x01", pack_relays([(1, 2, (0, 1))])[:-8], "not bytes"])
+def test_malformed_relays_are_refused(packed):
+    with pytest.raises(ProtocolError, match="malformed autograd relays"):
+        unpack_relays(packed)  # type: ignore[arg-type]
+
+
+def _engine_with_pair(peer: int) -> tuple[EngineActor, DistContext, GraphTask]:
+    """A context holding recv 11 (two 3x3 leaves from ``peer``) and send 12 (a 3x3 and
+    a 2-vector to ``peer``)."""
+    ctx = DistContext(1)
+    ctx.recvs[11] = RecvEntry([torch.zeros(3, 3), torch.zeros(3, 3)], peer)
+    ctx.sends[12] = SendEntry([torch.zeros(3, 3), torch.zeros(2)], peer)
+    engine = EngineActor(SimpleNamespace(name="worker1"), None)  # type: ignore[arg-type]
+    return engine, ctx, GraphTask(5, "fast", False)
+
+
+@pytest.mark.parametrize(
+    "relay, sender",
+    [
+        ((11, 12, (0, 0)), 0),  # one tensor twice
+        ((11, 12, (0, 1)), 0),  # a 3x3 leaf to a 2-vector
+        ((11, 12, (0,)), 0),  # not one index per leaf
+        ((11, 12, (0, 5)), 0),  # no such tensor
+        ((99, 12, (0, 1)), 0),  # no such recv
+        ((11, 12, (1, 0)), 2),  # entries of another peer
+    ],
+)
+def test_a_relay_that_does_not_match_the_entries_is_refused(relay, sender):
+    engine, ctx, task = _engine_with_pair(peer=0)
+    with pytest.raises(ContextError, match="relay from recv"):
+        engine._take_relays(ctx, task, [relay], sender)
+    assert not task.relays
+
+
+def test_a_matching_relay_is_taken():
+    engine, ctx, task = _engine_with_pair(peer=0)
+    ctx.sends[12].tensors[1] = torch.zeros(3, 3)
+    engine._take_relays(ctx, task, [(11, 12, (1, 0))], 0)
+    assert task.relays == {11: (12, (1, 0))}
