@@ -548,10 +548,11 @@ class EngineActor:
         self, ctx: DistContext, task: GraphTask, report: BackwardReport, fires: list[int],
         stops: list[asyncio.Future[Any]],
     ) -> tuple[BackwardReport, list[int]]:
-        """Run here the sends that complete recvs relay to (see :meth:`_relays_to`), and
-        what they complete in turn; returns the report and the recvs left to fire.
-        Small jobs run right here, one after the other (a chain of K hops is K jobs in
-        this loop, not K round trips); big ones start like stops."""
+        """Of the recvs now complete (``fires``), those a peer relays (see
+        :meth:`_relays_to`) run our matching send jobs here, and so on for the recvs
+        those complete; returns the report and the recvs left to fire. Small jobs run
+        right here, one after the other (a chain of K hops is K jobs in this loop, not
+        K round trips); big ones start like stops."""
         plan = task.plan
         assert plan is not None
         left, todo = [], list(fires)
