@@ -10,11 +10,12 @@ result is also used here, a hook, another worker) it still gets it.
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from _ag_helpers import assert_grads, local_copies, wait_released
+from _ag_helpers import assert_grads, local_copies, slow_backward_fn, wait_released
 
 import actorgrad as ag
 from actorgrad._errors import ContextError, ProtocolError
@@ -202,6 +203,56 @@ async def test_relays_between_processes(make_process_group):
     (lx,) = local_copies(x)
     local_chain(lx, hops).sum().backward()
     assert_grads(grads, [(x, lx.grad)])
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise ValueError("relayed backward exploded 5521")
+
+
+def fails_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return FailingBackward.apply(x)
+
+
+async def test_an_error_in_a_relayed_job_reaches_the_caller(group2):
+    """The failing hop runs on worker1 as a relayed job, far from the caller's call."""
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await chain(x, 2)
+        y = await ag.rpc_async("worker1", fails_in_backward, args=(y,))
+        y = await chain(y, 2)
+        with pytest.raises(ag.RemoteError) as info:
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+        assert "relayed backward exploded 5521" in str(info.value)
+    await wait_released(["worker0", "worker1"])
+
+
+@pytest.mark.slow
+async def test_worker_killed_in_a_relayed_job(make_process_group):
+    group = await make_process_group(2)
+    slow_fn = slow_backward_fn(3)
+
+    def quick(x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        a = await ag.rpc_async("worker1", quick, args=(x,))
+        b = await ag.rpc_async("worker1", slow_fn, args=(a,))  # relayed: runs on worker1
+        c = await ag.rpc_async("worker1", quick, args=(b,))
+        task = asyncio.ensure_future(ag.autograd.backward(context_id, [c.sum()]))
+        await asyncio.sleep(0.7)
+        assert not task.done()
+        started = time.monotonic()
+        group.kill(1)
+        with pytest.raises(ag.WorkerLost):
+            await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 5
 
 
 # -- the relay table on its own ---------------------------------------------------------
