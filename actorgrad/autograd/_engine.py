@@ -22,13 +22,17 @@ then answered by one message instead of 2K relayed ones. The duty only moves to 
 caller itself or to the worker it called, whose loss fails the caller's call at once;
 anything else is called and awaited as before.
 
-A worker whose send job would do nothing but hand the gradients, unchanged, to a recv
-entry from the same peer (a chain's caller passing each result on as it came) names
-such pairs, *relays*, in its first PROPAGATE_GRADS to that peer of the pass; the peer
-then runs its own matching send job itself when the recv completes, instead of a round
-trip. A chain of K hops so costs one gradient message each way, not 2K. The relaying
-worker's plan keeps the pair waiting; nothing waits on it, and the peer reports both
-pairs fired.
+A worker whose send job would do nothing but hand the gradients, unchanged, to one recv
+entry (a caller passing an RPC's result on as it came: a chain of calls, a driver
+handing one stage's output to the next) declares such pairs, *relays*. Relays travel
+with PROPAGATE_GRADS (each worker passes on those it knows, once per peer); the worker
+holding the recv paired with the send then sends the gradients to where the relaying
+worker's recv came from itself: it runs its own matching send job when that is itself,
+and calls the other worker otherwise (a call, not a passed-on duty to answer, so losing
+that worker fails it at once). A chain of K hops so costs one gradient message each
+way, not 2K, and a pipeline's stages pass gradients to each other without the driver.
+The relaying worker's plan keeps the pair waiting; nothing waits on it, and the worker
+that acts on the relay reports both pairs fired.
 
 FAST mode (PyTorch's): every send entry of the context is a start. An RPC whose output
 the roots do not use leaves its send waiting; PyTorch waits forever, we finish all that
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +97,11 @@ class GraphTask:
     plan: Plan | None = None
     planning: asyncio.Future[Plan] | None = None
     reported_pairs: bool = False  # FAST: this worker's pairs went into a report already
-    relays: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # recv -> send, order
-    relays_told: set[int] = field(default_factory=set)  # peers told our relays already
+    # our recv -> (the send it feeds, its rank, the send's tensor count, tensor per leaf)
+    relays: dict[int, tuple[int, int, int, tuple[int, ...]]] = field(default_factory=dict)
+    relay_table: dict[tuple[int, int], Relay] = field(default_factory=dict)  # all known, in order
+    relays_told: dict[int, int] = field(default_factory=dict)  # peer -> table entries sent to it
+    declared: bool = False  # our own relays are in the table
 
 
 @dataclass(slots=True, frozen=True)
@@ -241,7 +249,7 @@ class EngineActor:
         """A PROPAGATE_GRADS call: the reply, a task making it, or None when the duty
         to answer went along with the one propagation this one caused."""
         owed = (peer.rank, self.worker.serving_request, self.worker.rank)
-        outcome = self._serve(PropagateGrads.load(payload), owed, peer.rank)
+        outcome = self._serve(PropagateGrads.load(payload), owed)
         if outcome is None or isinstance(outcome, BackwardReport):
             return None if outcome is None else outcome.dump()
 
@@ -258,7 +266,7 @@ class EngineActor:
             return
         caller, request_id, _ = msg.reply
         try:
-            outcome = self._serve(msg, msg.reply, peer.rank)
+            outcome = self._serve(msg, msg.reply)
         except Exception as exc:
             self._answer(caller, request_id, exc)
             return
@@ -292,7 +300,7 @@ class EngineActor:
             worker.answer(caller, request_id, reply)
 
     def _serve(
-        self, msg: PropagateGrads, owed: tuple[int, int, int], sender: int
+        self, msg: PropagateGrads, owed: tuple[int, int, int]
     ) -> BackwardReport | Awaitable[BackwardReport | None] | None:
         """Run the job of the send entry the gradients are for, and what it completes.
 
@@ -304,7 +312,7 @@ class EngineActor:
         entry.fired = True
         task = self._graph_task(ctx, msg.backward_id, msg.mode, msg.retain_graph)
         if msg.relays:
-            self._take_relays(ctx, task, unpack_relays(msg.relays), sender)
+            self._learn_relays(ctx, task, unpack_relays(msg.relays))
         key = ("send", msg.message_id)
         grads = list(msg.grads)
         incoming = BackwardReport(pairs=unpack_ids(msg.pairs), fired=unpack_ids(msg.fired) | {msg.message_id})
@@ -493,28 +501,42 @@ class EngineActor:
         recv = ctx.recvs[message_id]
         recv.fired = True
         grads = task.plan.recvs[message_id].grads  # type: ignore[union-attr]
+        return self._message(ctx, task, recv.peer, message_id,
+                             tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))), reply, report)
+
+    def _message(
+        self, ctx: DistContext, task: GraphTask, to: int, message_id: int, grads: tuple[Any, ...],
+        reply: tuple[int, int, int] | None = None, report: BackwardReport | None = None,
+    ) -> PropagateGrads:
+        """The PROPAGATE_GRADS for ``to``'s send ``message_id``, with the relays ``to``
+        has not been told of by us yet."""
+        if not task.declared:
+            task.declared = True
+            for relay in self._own_relays(ctx, task):
+                task.relay_table.setdefault((relay[1], relay[2]), relay)
         relays = b""
-        if recv.peer not in task.relays_told:
-            task.relays_told.add(recv.peer)
-            relays = pack_relays(self._relays_to(ctx, task, recv.peer))
+        told = task.relays_told.get(to, 0)
+        if told < len(task.relay_table):
+            task.relays_told[to] = len(task.relay_table)
+            relays = pack_relays(itertools.islice(task.relay_table.values(), told, None))
         return PropagateGrads(
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
-            grads=tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))),
-            mode=task.mode, retain_graph=task.retain_graph, reply=reply,
+            grads=grads, mode=task.mode, retain_graph=task.retain_graph, reply=reply,
             pairs=pack_ids(report.pairs) if report is not None else b"",
             fired=pack_ids(report.fired) if report is not None else b"",
             relays=relays,
         )
 
     # -- relays ---------------------------------------------------------------------
-    @staticmethod
-    def _relays_to(ctx: DistContext, task: GraphTask, peer: int) -> list[Relay]:
-        """Our sends to ``peer`` whose job only hands its gradients, unchanged, to one
-        recv entry from ``peer`` that nothing else feeds (an RPC result passed on as it
-        came, as in a chain of calls): ``peer`` may run the matching send of its own
-        right away instead of shipping the gradients here to be shipped back."""
+    def _own_relays(self, ctx: DistContext, task: GraphTask) -> list[Relay]:
+        """Our sends whose job only hands its gradients, unchanged, to one recv entry
+        that nothing else feeds (an RPC result passed on as it came: a chain of calls, a
+        driver handing one stage's output to the next): the worker the send went to may
+        send them to where that recv's tensors came from itself (run its own send, when
+        they came from it) instead of through us."""
         plan = task.plan
         assert plan is not None
+        me = self.worker.rank
         relays = []
         for key, feeds in plan.feeds.items():
             if type(key) is not tuple or key[0] != "send" or feeds.leaves or feeds.stops or not feeds.recv_leaves:
@@ -522,55 +544,84 @@ class EngineActor:
             send = ctx.sends[key[1]]
             recv_id = feeds.recv_leaves[0][1]
             recv = ctx.recvs[recv_id]
-            if (send.peer != peer or recv.peer != peer or plan.recvs[recv_id].pending != 1
+            if (send.peer == me or recv.peer == me or plan.recvs[recv_id].pending != 1
                     or any(m != recv_id for _, m, _ in feeds.recv_leaves)):
                 continue
             if (order := _passed_on(send.tensors, recv.leaves)) is not None:
-                relays.append((key[1], recv_id, order))
+                relays.append((me, send.peer, key[1], recv_id, recv.peer, len(recv.leaves), order))
         return relays
 
-    def _take_relays(self, ctx: DistContext, task: GraphTask, relays: list[Relay], peer: int) -> None:
-        """Record ``peer``'s relays: our recv ``send_id`` (paired with its send) feeds our
-        send ``recv_id`` (paired with its recv), leaf i to tensor ``order[i]``."""
-        for send_id, recv_id, order in relays:
-            recv, send = ctx.recvs.get(send_id), ctx.sends.get(recv_id)
-            if (recv is None or send is None or recv.peer != peer or send.peer != peer
-                    or len(order) != len(recv.leaves) or len(set(order)) != len(order)
-                    or any(j >= len(send.tensors) for j in order)
-                    or any(_meta(leaf) != _meta(send.tensors[j]) for leaf, j in zip(recv.leaves, order, strict=True))):
-                raise ContextError(
-                    f"rank {peer} named a relay from recv {send_id} to send {recv_id} that does "
-                    f"not match the entries of context {ctx.context_id} on {self.worker.name}"
-                )
-            task.relays[send_id] = (recv_id, order)
+    def _learn_relays(self, ctx: DistContext, task: GraphTask, relays: list[Relay]) -> None:
+        """Add relays to the table (to pass on); take those for our recvs."""
+        for relay in relays:
+            key = (relay[1], relay[2])
+            if key not in task.relay_table:
+                if relay[1] == self.worker.rank:
+                    self._take_relay(ctx, task, relay)
+                task.relay_table[key] = relay
+
+    def _take_relay(self, ctx: DistContext, task: GraphTask, relay: Relay) -> None:
+        """Our recv ``send_id`` (paired with ``origin``'s send) is relayed: its gradients
+        go to the send ``recv_id`` (paired with ``origin``'s recv) on rank ``source``,
+        leaf i to tensor ``order[i]`` of ``width``; that send is ours when ``source`` is
+        this worker."""
+        origin, _, send_id, recv_id, source, width, order = relay
+        recv = ctx.recvs.get(send_id)
+        valid = (
+            recv is not None and recv.peer == origin and len(order) == len(recv.leaves)
+            and len(set(order)) == len(order) and all(j < width for j in order)
+        )
+        if valid and source == self.worker.rank:
+            send = ctx.sends.get(recv_id)
+            valid = (
+                send is not None and send.peer == origin and width == len(send.tensors)
+                and all(_meta(leaf) == _meta(send.tensors[j])
+                        for leaf, j in zip(recv.leaves, order, strict=True))  # type: ignore[union-attr]
+            )
+        elif valid:
+            valid = source != origin and 0 <= source < self.worker.world_size
+        if not valid:
+            raise ContextError(
+                f"rank {origin} declared a relay from recv {send_id} to send {recv_id} on rank "
+                f"{source} that does not match the entries of context {ctx.context_id} "
+                f"on {self.worker.name}"
+            )
+        task.relays[send_id] = (recv_id, source, width, order)
 
     def _relay(
         self, ctx: DistContext, task: GraphTask, report: BackwardReport, fires: list[int],
         stops: list[asyncio.Future[Any]],
     ) -> tuple[BackwardReport, list[int]]:
         """Of the recvs now complete (``fires``), those a peer relays (see
-        :meth:`_relays_to`) run our matching send jobs here, and so on for the recvs
-        those complete; returns the report and the recvs left to fire. Small jobs run
-        right here, one after the other (a chain of K hops is K jobs in this loop, not
-        K round trips); big ones start like stops."""
+        :meth:`_own_relays`) run our matching send jobs here, and so on for the recvs
+        those complete, or call the worker whose send they feed; returns the report and
+        the recvs left to fire. Small jobs run right here, one after the other (a chain
+        of K hops is K jobs in this loop, not K round trips); big ones start like stops,
+        and so do the calls (a call, not a passed-on duty to answer: the worker called
+        is not the one our caller called, and losing it must fail this call at once)."""
         plan = task.plan
         assert plan is not None
         left, todo = [], list(fires)
         while todo:
             recv_id = todo.pop()
-            relay = task.relays.pop(recv_id, None)
-            if relay is None or ("send", relay[0]) not in plan.feeds:
+            relay = task.relays.get(recv_id)
+            if relay is None or (relay[1] == self.worker.rank and ("send", relay[0]) not in plan.feeds):
                 left.append(recv_id)
                 continue
-            send_id, order = relay
+            del task.relays[recv_id]
+            send_id, source, width, order = relay
             ctx.recvs[recv_id].fired = True
-            entry = ctx.sends[send_id]
-            entry.fired = True
             by_leaf = plan.recvs[recv_id].grads
-            grads: list[torch.Tensor | None] = [None] * len(entry.tensors)
+            grads: list[torch.Tensor | None] = [None] * width
             for i, j in enumerate(order):
                 grads[j] = by_leaf.get(i)
             report = report.merge(BackwardReport(pairs=frozenset(), fired=frozenset((recv_id, send_id))))
+            if source != self.worker.rank:
+                message = self._message(ctx, task, source, send_id, tuple(travelling(g) for g in grads))
+                stops.append(self.worker.call(source, PropagateGrads.TARGET, message.dump()))
+                continue
+            entry = ctx.sends[send_id]
+            entry.fired = True
             key = ("send", send_id)
             job = self._job(ctx, task, key, entry.tensors, grads)
             if job.small:

@@ -26,9 +26,11 @@ class PropagateGrads(TupleMessage):
     report so far (``pairs``, ``fired``), and whoever finishes the work answers the
     caller directly (see ``Worker.answer``).
 
-    ``relays`` (see :func:`pack_relays`) names sends of the sender whose gradients it
-    would only hand back to the receiver: the receiver feeds them to its own matching
-    sends itself instead of a round trip.
+    ``relays`` (see :func:`pack_relays`) names sends whose gradients the worker that
+    declared them would only hand on, unchanged, to the worker their tensors came
+    from: the worker holding the paired recv sends them there itself (feeds its own
+    matching send, when they came from it). Each worker passes on the relays it
+    learned, once per peer, so they reach every worker of the pass.
     """
 
     TARGET = "autograd.propagate"
@@ -59,15 +61,18 @@ def unpack_ids(packed: bytes) -> frozenset[int]:
     return frozenset(ids)
 
 
-Relay = tuple[int, int, tuple[int, ...]]  # (send id, recv id, recv leaf index per send tensor)
+# (rank that declared it, rank holding the recv paired with its send, send id, recv id,
+#  rank the recv's tensors came from, recv leaves, recv leaf index per send tensor)
+Relay = tuple[int, int, int, int, int, int, tuple[int, ...]]
+_RELAY_FIELDS = 6
 
 
 def pack_relays(relays: Iterable[Relay]) -> bytes:
-    """Relays as one bytes object: per relay its send id, recv id, the number of the
-    send's tensors and, for each, the index of the recv leaf it passes its gradient to."""
+    """Relays as one bytes object: per relay its six numbers, the number of the send's
+    tensors and, for each, the index of the recv leaf it passes its gradient to."""
     packed = array.array("Q")
-    for send_id, recv_id, order in relays:
-        packed.extend((send_id, recv_id, len(order), *order))
+    for *fields, order in relays:
+        packed.extend((*fields, len(order), *order))
     return packed.tobytes()
 
 
@@ -76,13 +81,16 @@ def unpack_relays(packed: bytes) -> list[Relay]:
         raise ProtocolError("malformed autograd relays")
     values = array.array("Q")
     values.frombytes(packed)
-    relays, at = [], 0
+    relays: list[Relay] = []
+    at, fixed = 0, _RELAY_FIELDS
     while at < len(values):
-        if at + 3 > len(values) or at + 3 + values[at + 2] > len(values):
+        if at + fixed + 1 > len(values) or at + fixed + 1 + values[at + fixed] > len(values):
             raise ProtocolError("malformed autograd relays")
-        count = values[at + 2]
-        relays.append((values[at], values[at + 1], tuple(values[at + 3:at + 3 + count])))
-        at += 3 + count
+        count = values[at + fixed]
+        origin, holder, send_id, recv_id, source, width = values[at:at + fixed]
+        relays.append((origin, holder, send_id, recv_id, source, width,
+                       tuple(values[at + fixed + 1:at + fixed + 1 + count])))
+        at += fixed + 1 + count
     return relays
 
 

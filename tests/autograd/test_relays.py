@@ -1,10 +1,12 @@
-"""Relays: a worker that would only hand gradients back (an RPC result passed on to the
-same worker as it came) lets that worker feed its own send directly.
+"""Relays: a worker that would only hand gradients on (an RPC result passed on as it
+came) lets the worker holding the other end send them where they are needed directly:
+to its own send (a chain of calls to one worker) or to the worker the result came from
+(a driver handing one stage's output to the next).
 
 A chain of K round trips whose results are passed on then needs one propagation each
-way instead of 2K; gradients, hooks, FAST mode's check and retain_graph must come out
-as without relays, and wherever the caller has something to do with the gradient (the
-result is also used here, a hook, another worker) it still gets it.
+way instead of 2K; gradients, hooks, FAST mode's check, retain_graph and failures must
+come out as without relays, and wherever the caller has something to do with the
+gradient (the result is also used here, a hook) it still gets it.
 """
 
 from __future__ import annotations
@@ -162,8 +164,8 @@ async def test_retain_graph_relays_again(group2):
 
 
 async def test_a_result_passed_to_another_worker(make_group):
-    """worker1's result goes on to worker2 and back to worker1: no relay applies to the
-    hop that changes workers, the gradients still arrive everywhere."""
+    """Two hops on worker1, two on worker2, two on worker1 again: relays within each
+    worker and across to the other."""
     await make_group(3)
     x = rand3()
     async with ag.autograd.context() as context_id:
@@ -205,6 +207,47 @@ async def test_relays_between_processes(make_process_group):
     assert_grads(grads, [(x, lx.grad)])
 
 
+async def test_a_stage_output_handed_to_the_next_stage_skips_the_driver(make_group, monkeypatch):
+    """worker0 drives: worker1's output goes on to worker2 as it came. In the backward
+    worker2 sends its gradient straight to worker1, not through worker0."""
+    await make_group(3)
+    served = count_served(monkeypatch)
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        hidden = await ag.rpc_async("worker1", sin3, args=(x,))
+        out = await ag.rpc_async("worker2", pair, args=(hidden, hidden * 0 + 2))
+        loss = (out[0] * 3 + out[1]).sum()
+        await asyncio.wait_for(ag.autograd.backward(context_id, [loss]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    lhidden = sin3(lx)
+    lout = pair(lhidden, lhidden * 0 + 2)
+    (lout[0] * 3 + lout[1]).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    # worker2 (from worker0), worker1 (from worker2), worker0 (x's gradient, from
+    # worker1); ``hidden * 0 + 2`` is computed here, so its pair is not relayed
+    assert sorted(served) == [0, 0, 1, 2], served
+    await wait_released(["worker0", "worker1", "worker2"])
+
+
+async def test_stages_driven_in_a_loop(make_group, monkeypatch):
+    """Four stages alternating between worker1 and worker2, each output handed on."""
+    await make_group(3)
+    served = count_served(monkeypatch)
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = x
+        for stage in range(4):
+            y = await ag.rpc_async(f"worker{1 + stage % 2}", sin3, args=(y,))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    local_chain(lx, 4).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    assert served == [2, 1, 2, 1, 0], served  # never through worker0 but at the ends
+    await wait_released(["worker0", "worker1", "worker2"])
+
+
 class FailingBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[no-untyped-def]
@@ -233,6 +276,28 @@ async def test_an_error_in_a_relayed_job_reaches_the_caller(group2):
 
 
 @pytest.mark.slow
+async def test_first_stage_killed_while_the_second_calls_it(make_process_group):
+    group = await make_process_group(3)
+    slow_fn = slow_backward_fn(3)
+
+    def quick(x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        hidden = await ag.rpc_async("worker1", slow_fn, args=(x,))
+        out = await ag.rpc_async("worker2", quick, args=(hidden,))
+        task = asyncio.ensure_future(ag.autograd.backward(context_id, [out.sum()]))
+        await asyncio.sleep(0.7)
+        assert not task.done()
+        started = time.monotonic()
+        group.kill(1)
+        with pytest.raises(ag.WorkerLost):
+            await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.slow
 async def test_worker_killed_in_a_relayed_job(make_process_group):
     group = await make_process_group(2)
     slow_fn = slow_backward_fn(3)
@@ -257,46 +322,64 @@ async def test_worker_killed_in_a_relayed_job(make_process_group):
 
 # -- the relay table on its own ---------------------------------------------------------
 def test_relays_travel_as_packed_ids():
-    relays = [(7, 9, (1, 0)), (1 << 50, 3, ()), (4, 5, (0,))]
+    relays = [(0, 1, 7, 9, 1, 2, (1, 0)), (2, 0, 1 << 50, 3, 2, 0, ()), (0, 2, 4, 5, 0, 3, (2,))]
     assert unpack_relays(pack_relays(relays)) == relays
 
 
-@pytest.mark.parametrize("packed", [b"\x01", pack_relays([(1, 2, (0, 1))])[:-8], "not bytes"])
+@pytest.mark.parametrize("packed", [b"\x01", pack_relays([(0, 1, 1, 2, 1, 2, (0, 1))])[:-8], "not bytes"])
 def test_malformed_relays_are_refused(packed):
     with pytest.raises(ProtocolError, match="malformed autograd relays"):
         unpack_relays(packed)  # type: ignore[arg-type]
 
 
 def _engine_with_pair(peer: int) -> tuple[EngineActor, DistContext, GraphTask]:
-    """A context holding recv 11 (two 3x3 leaves from ``peer``) and send 12 (a 3x3 and
-    a 2-vector to ``peer``)."""
+    """Rank 1 of 3, with a context holding recv 11 (two 3x3 leaves from ``peer``) and
+    send 12 (a 3x3 and a 2-vector to ``peer``)."""
     ctx = DistContext(1)
     ctx.recvs[11] = RecvEntry([torch.zeros(3, 3), torch.zeros(3, 3)], peer)
     ctx.sends[12] = SendEntry([torch.zeros(3, 3), torch.zeros(2)], peer)
-    engine = EngineActor(SimpleNamespace(name="worker1"), None)  # type: ignore[arg-type]
+    worker = SimpleNamespace(name="worker1", rank=1, world_size=3)
+    engine = EngineActor(worker, None)  # type: ignore[arg-type]
     return engine, ctx, GraphTask(5, "fast", False)
 
 
 @pytest.mark.parametrize(
-    "relay, sender",
+    "relay",
     [
-        ((11, 12, (0, 0)), 0),  # one tensor twice
-        ((11, 12, (0, 1)), 0),  # a 3x3 leaf to a 2-vector
-        ((11, 12, (0,)), 0),  # not one index per leaf
-        ((11, 12, (0, 5)), 0),  # no such tensor
-        ((99, 12, (0, 1)), 0),  # no such recv
-        ((11, 12, (1, 0)), 2),  # entries of another peer
+        (0, 1, 11, 12, 1, 2, (0, 0)),  # one tensor twice
+        (0, 1, 11, 12, 1, 2, (0, 1)),  # a 3x3 leaf to a 2-vector
+        (0, 1, 11, 12, 1, 2, (0,)),  # not one index per leaf
+        (0, 1, 11, 12, 1, 2, (0, 5)),  # no such tensor
+        (0, 1, 11, 12, 1, 3, (0, 1)),  # not the send's tensor count
+        (0, 1, 99, 12, 1, 2, (0, 1)),  # no such recv
+        (2, 1, 11, 12, 1, 2, (1, 0)),  # entries paired with another worker
+        (0, 1, 11, 12, 0, 2, (1, 0)),  # the declaring worker's own send
+        (0, 1, 11, 12, 7, 2, (1, 0)),  # no such rank
+        (0, 1, 11, 12, 2, 2, (1, 2)),  # beyond the other worker's send
     ],
 )
-def test_a_relay_that_does_not_match_the_entries_is_refused(relay, sender):
+def test_a_relay_that_does_not_match_the_entries_is_refused(relay):
     engine, ctx, task = _engine_with_pair(peer=0)
     with pytest.raises(ContextError, match="relay from recv"):
-        engine._take_relays(ctx, task, [relay], sender)
+        engine._learn_relays(ctx, task, [relay])
     assert not task.relays
 
 
 def test_a_matching_relay_is_taken():
     engine, ctx, task = _engine_with_pair(peer=0)
     ctx.sends[12].tensors[1] = torch.zeros(3, 3)
-    engine._take_relays(ctx, task, [(11, 12, (1, 0))], 0)
-    assert task.relays == {11: (12, (1, 0))}
+    engine._learn_relays(ctx, task, [(0, 1, 11, 12, 1, 2, (1, 0))])
+    assert task.relays == {11: (12, 1, 2, (1, 0))}
+
+
+def test_a_relay_to_a_third_worker_is_taken():
+    engine, ctx, task = _engine_with_pair(peer=0)
+    engine._learn_relays(ctx, task, [(0, 1, 11, 40, 2, 3, (2, 0))])
+    assert task.relays == {11: (40, 2, 3, (2, 0))}
+
+
+def test_relays_for_other_workers_are_kept_to_pass_on():
+    engine, ctx, task = _engine_with_pair(peer=0)
+    relay = (0, 2, 77, 78, 1, 1, (0,))  # worker2's recv: not checked here
+    engine._learn_relays(ctx, task, [relay])
+    assert not task.relays and list(task.relay_table.values()) == [relay]
