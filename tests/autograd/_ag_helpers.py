@@ -73,3 +73,16 @@ async def wait_released(names: Iterable[str], timeout: float = 2.0) -> None:
         if loop.time() > deadline:
             pytest.fail(f"autograd contexts not released within {timeout}s: {infos}")
         await asyncio.sleep(0.02)
+
+
+async def assert_kill_fails_backward(group: object, rank: int, context_id: int, root: torch.Tensor) -> None:
+    """Start the backward of ``root``, kill worker ``rank`` while it runs (a slow
+    backward there keeps it busy), and check that it fails with WorkerLost in time."""
+    task = asyncio.ensure_future(ag.autograd.backward(context_id, [root]))
+    await asyncio.sleep(0.7)
+    assert not task.done()
+    started = time.monotonic()
+    group.kill(rank)  # type: ignore[attr-defined]
+    with pytest.raises(ag.WorkerLost):
+        await asyncio.wait_for(task, 10)
+    assert time.monotonic() - started < 5
