@@ -47,6 +47,7 @@ induce.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
@@ -537,6 +538,10 @@ class EngineActor:
         plan = task.plan
         assert plan is not None
         me = self.worker.rank
+        # How many jobs feed each recv, from the plan's structure: the entries' own
+        # counters are live, and jobs (the roots', say) may have delivered shares by
+        # the time the first message of the pass declares our relays.
+        feeders = collections.Counter(m for feeds in plan.feeds.values() for m in {m for _, m, _ in feeds.recv_leaves})
         relays = []
         for key, feeds in plan.feeds.items():
             if type(key) is not tuple or key[0] != "send" or feeds.leaves or feeds.stops or not feeds.recv_leaves:
@@ -544,7 +549,7 @@ class EngineActor:
             send = ctx.sends[key[1]]
             recv_id = feeds.recv_leaves[0][1]
             recv = ctx.recvs[recv_id]
-            if (send.peer == me or recv.peer == me or plan.recvs[recv_id].pending != 1
+            if (send.peer == me or recv.peer == me or feeders[recv_id] != 1
                     or any(m != recv_id for _, m, _ in feeds.recv_leaves)):
                 continue
             if (order := _passed_on(send.tensors, recv.leaves)) is not None:

@@ -156,6 +156,24 @@ async def test_one_of_two_results_passed_on(group2):
     assert_grads(grads, [(a0, la0.grad), (b0, lb0.grad)])
 
 
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+@pytest.mark.parametrize("to", ["worker1", "worker2"])
+async def test_one_result_passed_on_and_the_other_used_here(group3, mode, to):
+    """The recv of (a, b) is fed by two jobs: a's by the call it went on to, b's by the
+    roots. The roots' job has delivered b's share before the first message of the pass
+    is built, so a relay judged by the recv's live count would drop it."""
+    a0, b0 = rand3(), rand3()
+    async with ag.autograd.context() as context_id:
+        a, b = await ag.rpc_async("worker1", pair, args=(a0, b0))
+        c = await ag.rpc_async(to, sin3, args=(a,))  # a passed on as it came
+        await asyncio.wait_for(ag.autograd.backward(context_id, [c.sum() + (b * b).sum()], mode=mode), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    la0, lb0 = local_copies(a0, b0)
+    la, lb = pair(la0, lb0)
+    (sin3(la).sum() + (lb * lb).sum()).backward()
+    assert_grads(grads, [(a0, la0.grad), (b0, lb0.grad)])
+
+
 async def test_retain_graph_relays_again(group2):
     x = rand3()
     async with ag.autograd.context() as context_id:
