@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from .._errors import ContextError
 from ..rpc import NO_SCOPE, CallHooks
@@ -169,6 +170,23 @@ class SendEntry:
     peer: int
     fired: bool = False
     leaves: list[torch.Tensor] | None = None  # reachable leaves, computed on first use
+    # (grad_fn, output_nr) of each tensor when it was sent; None: taken as they are now
+    sent_edges: list[tuple[Any, int]] | None = None
+
+    def starts(self) -> list[torch.Tensor | GradientEdge]:
+        """What the gradients from ``peer`` flow into: each tensor's history as it was
+        when sent (torch hangs its SendRpcBackward there). A tensor changed in place
+        since then has a new grad_fn, which the peer's gradient must not go through;
+        it is named by its old edge instead."""
+        starts: list[torch.Tensor | GradientEdge] = self.tensors  # type: ignore[assignment]
+        if self.sent_edges is None:
+            return starts
+        for i, (tensor, (node, output_nr)) in enumerate(zip(self.tensors, self.sent_edges, strict=True)):
+            if tensor.grad_fn is not node:
+                if starts is self.tensors:
+                    starts = list(starts)
+                starts[i] = GradientEdge(node, output_nr)
+        return starts
 
 
 @dataclass(slots=True, eq=False)
@@ -279,7 +297,8 @@ class ContextActor(CallHooks):
         if tensors:
             ctx = self.contexts.get(meta[0])
             if ctx is not None:
-                ctx.sends[meta[1]] = SendEntry(tensors, dst)
+                edges = [(t.grad_fn, t.output_nr) for t in tensors]
+                ctx.sends[meta[1]] = SendEntry(tensors, dst, sent_edges=edges)
                 worker.expect_message()  # the backward's gradients for them
 
     def on_receive(self, worker: Worker, meta: Any, payload: Payload, src: int) -> None:

@@ -143,7 +143,7 @@ class EngineActor:
             return task.plan
         if task.planning is None:
             sends = ctx.sends if task.mode == "fast" else {m: ctx.sends[m] for m in task.reached}
-            starts: dict[Hashable, Sequence[torch.Tensor]] = {("send", m): e.tensors for m, e in sends.items()}
+            starts: dict[Hashable, Sequence[Any]] = {("send", m): e.starts() for m, e in sends.items()}
             if roots:
                 starts[ROOTS] = roots
             try:  # small graphs: right here; big ones on the pool, the loop keeps serving
@@ -186,7 +186,7 @@ class EngineActor:
                 for message_id in answer.load():  # sends of ours the peer reached
                     if message_id not in task.reached:
                         task.reached.add(message_id)
-                        starts.append(self._send_entry(ctx, message_id).tensors)
+                        starts.append(self._send_entry(ctx, message_id).starts())
         return for_caller
 
     @staticmethod
@@ -220,9 +220,9 @@ class EngineActor:
         if msg.message_id in task.reached:
             return Payload.dump(())
         task.reached.add(msg.message_id)
-        found = self._reach_small(ctx, entry.tensors)
+        found = self._reach_small(ctx, entry.starts())
         if found is None:
-            explore = self._explore(ctx, task, [entry.tensors], peer.rank)
+            explore = self._explore(ctx, task, [entry.starts()], peer.rank)
         else:
             for_caller: set[int] = set()
             calls: list[asyncio.Future[Any]] = []
@@ -321,7 +321,7 @@ class EngineActor:
         plan = self.plan_now(ctx, task)
         if plan is not None:
             self._check_reached(ctx, plan, key, msg.message_id)
-            job = self._job(ctx, task, key, entry.tensors, grads)
+            job = self._job(ctx, task, key, entry.starts(), grads)
             if job.small:  # the common case: all of it right here, no task unless we wait
                 report, fires, stops = self._deliver(ctx, task, key, job.compute())
                 return self._conclude(ctx, task, report.merge(incoming), fires, stops, owed)
@@ -330,7 +330,7 @@ class EngineActor:
             if job is None:
                 plan = await self.plan(ctx, task)
                 self._check_reached(ctx, plan, key, msg.message_id)
-            return await self._run_job(ctx, task, key, entry.tensors, grads, owed, incoming, job)
+            return await self._run_job(ctx, task, key, entry.starts(), grads, owed, incoming, job)
 
         return run()
 
@@ -628,14 +628,14 @@ class EngineActor:
             entry = ctx.sends[send_id]
             entry.fired = True
             key = ("send", send_id)
-            job = self._job(ctx, task, key, entry.tensors, grads)
+            job = self._job(ctx, task, key, entry.starts(), grads)
             if job.small:
                 more, new_fires, new_stops = self._deliver(ctx, task, key, job.compute())
                 report = report.merge(more)
                 todo.extend(new_fires)
                 stops.extend(new_stops)
             else:
-                stops.append(asyncio.ensure_future(self._run_job(ctx, task, key, entry.tensors, grads, job=job)))
+                stops.append(asyncio.ensure_future(self._run_job(ctx, task, key, entry.starts(), grads, job=job)))
         return report, left
 
     def _fire_recv(self, ctx: DistContext, task: GraphTask, message_id: int) -> asyncio.Future[Payload]:

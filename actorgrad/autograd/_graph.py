@@ -10,16 +10,21 @@ engine then computes all their gradients in one ``torch.autograd.grad`` call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 
 class TooManyNodes(Exception):
     """The walk met more nodes than the caller allowed (see ``reachable_leaves``)."""
 
 
-def reachable_leaves(outputs: Sequence[torch.Tensor], max_nodes: int | None = None) -> list[torch.Tensor]:
-    """Every leaf that requires grad and is reachable backwards from ``outputs``.
+def reachable_leaves(
+    outputs: Sequence[torch.Tensor | GradientEdge], max_nodes: int | None = None
+) -> list[torch.Tensor]:
+    """Every leaf that requires grad and is reachable backwards from ``outputs``
+    (tensors, or gradient edges).
 
     Raises TooManyNodes once more than ``max_nodes`` nodes were met, so that a caller
     on the event loop can walk small graphs itself and hand big ones to a thread.
@@ -28,12 +33,16 @@ def reachable_leaves(outputs: Sequence[torch.Tensor], max_nodes: int | None = No
     seen: set[object] = set()
     stack = []
     for tensor in outputs:
-        if tensor.grad_fn is None:
+        node: Any
+        if isinstance(tensor, GradientEdge):
+            node = tensor.node
+        elif (node := tensor.grad_fn) is None:
             if tensor.requires_grad:
                 leaves[id(tensor)] = tensor
-        elif tensor.grad_fn not in seen:
-            seen.add(tensor.grad_fn)
-            stack.append(tensor.grad_fn)
+            continue
+        if node not in seen:
+            seen.add(node)
+            stack.append(node)
     while stack:
         node = stack.pop()
         for child, _ in node.next_functions:

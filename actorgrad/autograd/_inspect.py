@@ -81,7 +81,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
     """This worker's share of the graph as plain data (sent to the collecting worker)."""
     ctx = context_actor(worker).get(context_id)
     me = worker.name
-    starts: dict[Hashable, Sequence[torch.Tensor]] = {("send", m): e.tensors for m, e in ctx.sends.items()}
+    starts: dict[Hashable, Sequence[Any]] = {("send", m): e.starts() for m, e in ctx.sends.items()}
     if roots:
         starts[("roots",)] = list(roots)
     plan = make_plan(starts, ctx.recv_of_leaf, ctx.hooked)
@@ -116,11 +116,12 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
             start_id = f"{me}:roots"
             nodes[start_id] = {"worker": me, "label": "roots", "kind": "root", "deps": None, "message": None}
         for tensor in tensors:
-            if not tensor.requires_grad:
+            if type(tensor) is torch.autograd.graph.GradientEdge:  # changed since sent
+                node = tensor.node
+            elif not tensor.requires_grad:
                 continue
-            node = tensor.grad_fn
-            if node is None:
-                node = torch.autograd.graph.get_gradient_edge(tensor).node
+            else:
+                node = tensor.grad_fn or torch.autograd.graph.get_gradient_edge(tensor).node
             edges.append((start_id, node_id(node), "local"))
             if node not in seen:
                 seen.add(node)

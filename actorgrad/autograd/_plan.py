@@ -102,7 +102,9 @@ class Plan:
 _is_grad_enabled = torch.is_grad_enabled
 
 
-def _edge(tensor: torch.Tensor) -> tuple[Any, int]:
+def _edge(tensor: torch.Tensor | GradientEdge) -> tuple[Any, int]:
+    if isinstance(tensor, GradientEdge):  # a send's tensor changed in place since it was sent
+        return tensor.node, tensor.output_nr
     node = tensor.grad_fn
     if node is not None:  # computed: its own node (get_gradient_edge adds only checks)
         return node, tensor.output_nr
@@ -120,18 +122,20 @@ class TooBig(Exception):
 
 
 def make_plan(
-    starts: dict[Hashable, Sequence[torch.Tensor]],
+    starts: dict[Hashable, Sequence[torch.Tensor | GradientEdge]],
     recv_of_leaf: dict[int, tuple[int, int]],
     hooked: dict[Any, Any],
     max_nodes: int | None = None,
 ) -> Plan:
-    """Plan the jobs for ``starts`` (key -> tensors receiving the start's gradients).
+    """Plan the jobs for ``starts`` (key -> tensors receiving the start's gradients, or
+    the edges of tensors changed since; see ``SendEntry.starts``).
 
     ``hooked`` maps nodes that already carry the suppression pre-hook to its handle; new
     stop nodes get the hook and are added. Raises TooBig, before changing anything, when
     the graph has more than ``max_nodes`` nodes.
     """
-    start_edges = {key: [_edge(t) for t in tensors if t.requires_grad] for key, tensors in starts.items()}
+    start_edges = {key: [_edge(t) for t in tensors if isinstance(t, GradientEdge) or t.requires_grad]
+                   for key, tensors in starts.items()}
     disjoint = _disjoint_plan(start_edges, recv_of_leaf, max_nodes)
     if disjoint is not None:
         return disjoint
@@ -327,7 +331,7 @@ def _split_points(plan: Plan) -> set[Any]:
 
 
 def reached_recvs(
-    tensors: Sequence[torch.Tensor], recv_of_leaf: dict[int, tuple[int, int]], max_nodes: int | None = None
+    tensors: Sequence[torch.Tensor | GradientEdge], recv_of_leaf: dict[int, tuple[int, int]], max_nodes: int | None = None
 ) -> set[int]:
     """Message ids of the recv entries whose leaves ``tensors`` reach (for discovery).
 

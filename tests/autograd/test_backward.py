@@ -598,6 +598,35 @@ async def test_inplace_op_on_received_tensor(group2):
     assert_grads(grads, [(a, la.grad)])
 
 
+
+def times2(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_tensor_changed_in_place_after_it_was_sent(group3, mode):
+    """The gradient from the peer belongs to the history a tensor had when it went
+    (torch hangs SendRpcBackward there), not through in-place ops made afterwards: on
+    an argument, and on a received result passed on to a third worker."""
+    w = rand3()
+    async with ag.autograd.context() as context_id:
+        h = w * 1
+        y = await ag.rpc_async("worker1", times2, args=(h,))
+        h.mul_(3)  # after the send
+        z = await ag.rpc_async("worker2", times2, args=(y,))
+        y.add_(h)  # a received tensor, after it was passed on
+        loss = (z * z).sum() + (h * y).sum()
+        await ag.autograd.backward(context_id, [loss], mode=mode)
+        grads = ag.autograd.get_gradients(context_id)
+    (lw,) = local_copies(w)
+    lh = lw * 1
+    ly = times2(lh)
+    lh.mul_(3)
+    lz = times2(ly)
+    ly.add_(lh)
+    ((lz * lz).sum() + (lh * ly).sum()).backward()
+    assert_grads(grads, [(w, lw.grad)])
+
 # -- cost: every send/recv pair carries gradients once per backward ---------------------------
 
 
