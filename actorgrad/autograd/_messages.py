@@ -12,6 +12,8 @@ import torch
 from .._errors import ProtocolError
 from ..wire import Payload, TupleMessage
 
+_strided = torch.strided
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PropagateGrads(TupleMessage):
@@ -106,6 +108,8 @@ def travelling(grad: torch.Tensor | None) -> Any:
 
 def is_broadcast(tensor: torch.Tensor) -> bool:
     """Whether elements of ``tensor`` share memory (a dimension of stride 0, expanded)."""
+    if tensor.layout is not _strided:
+        return False  # sparse and other layouts have no strides of their own (sparse: zeros)
     strides = tensor.stride()
     return 0 in strides and any(
         stride == 0 and size > 1 for size, stride in zip(tensor.shape, strides, strict=True))

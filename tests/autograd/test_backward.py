@@ -603,6 +603,27 @@ def times2(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+def sparse_lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.embedding(idx, weight, sparse=True).sum(1)
+
+
+async def test_sparse_gradients_travel_and_accumulate(group2):
+    """An embedding with sparse=True on the callee sends its weight's sparse gradient
+    back; retain_graph=True twice sums two of them in the context."""
+    weight = rand3(10, 4)
+    idx = torch.tensor([[1, 2], [2, 7]])
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", sparse_lookup, args=(idx, weight))
+        loss = (y * y).sum()
+        await ag.autograd.backward(context_id, [loss], retain_graph=True)
+        await ag.autograd.backward(context_id, [loss])
+        grads = ag.autograd.get_gradients(context_id)
+    (lw,) = local_copies(weight)
+    (sparse_lookup(idx, lw) ** 2).sum().backward()
+    assert grads[weight].is_sparse
+    torch.testing.assert_close(grads[weight].to_dense(), 2 * lw.grad.to_dense())
+
+
 @pytest.mark.parametrize("mode", ["fast", "smart"])
 async def test_tensor_changed_in_place_after_it_was_sent(group3, mode):
     """The gradient from the peer belongs to the history a tensor had when it went
