@@ -285,13 +285,15 @@ class ContextActor(CallHooks):
     # -- RPC hooks ------------------------------------------------------------------
     def before_send(self, worker: Worker, dst: int) -> Any:
         ctx = current_context.get()
-        if ctx is None or ctx.released:
+        if ctx is None or ctx.released or not _grad_enabled():
+            # under no_grad nothing is recorded, on either side (as torch): the callee
+            # runs outside the context and its result arrives as a leaf
             return None
         ctx.peers.add(dst)
         return (ctx.context_id, self.new_id())
 
     def after_send(self, worker: Worker, meta: Any, payload: Payload, dst: int) -> None:
-        if meta is None or not torch.is_grad_enabled():
+        if meta is None:
             return
         tensors = [t for t in payload.tensors if t.requires_grad]
         if tensors:

@@ -603,6 +603,23 @@ def times2(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_rpc_under_no_grad_is_not_recorded(group2, mode):
+    """As in torch: under no_grad nothing is recorded on either side; the result is a
+    leaf (it requires grad, as the callee computed it with grad) that gets its own
+    gradient in the context, and the arguments get none through that call."""
+    x, w = rand3(), rand3()
+    async with ag.autograd.context() as context_id:
+        with torch.no_grad():
+            metric = await ag.rpc_async("worker1", times2, args=(x,))
+        assert metric.requires_grad and metric.grad_fn is None
+        y = await ag.rpc_async("worker1", times2, args=(w,))
+        await ag.autograd.backward(context_id, [(y + 3 * metric).sum()], mode=mode)
+        grads = ag.autograd.get_gradients(context_id)
+    assert_grads(grads, [(w, torch.full_like(w, 2.0)), (metric, torch.full_like(metric, 3.0)), (x, None)])
+    await wait_released(["worker0", "worker1"])
+
+
 def sparse_lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(idx, weight, sparse=True).sum(1)
 
