@@ -123,7 +123,10 @@ class _Broadcast:
 
     def __reduce__(self) -> tuple[Any, tuple[torch.Tensor, tuple[int, ...]]]:
         grad = self.grad
-        distinct = grad[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in grad.stride())]
+        strides = grad.stride()
+        # the distinct values: size 1 along each broadcast dimension (one call; indexing
+        # with a tuple of slices costs twice as much)
+        distinct = grad.as_strided([1 if st == 0 else n for n, st in zip(grad.shape, strides, strict=True)], strides)
         return _expand, (distinct.contiguous(), tuple(grad.shape))
 
 

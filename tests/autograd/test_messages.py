@@ -50,6 +50,16 @@ def test_propagate_grads_round_trip_with_a_broadcast_gradient() -> None:
     assert unpack_ids(got.pairs) == {1, 2, 3} and unpack_ids(got.fired) == {2}
 
 
+def test_partly_broadcast_gradients_of_views_keep_their_values() -> None:
+    row = torch.rand(3, 5)[1:2].expand(4, 5)  # storage offset 5, strides (0, 1)
+    column = torch.rand(4, 2)[:, 1:].expand(4, 6)  # storage offset 1, strides (2, 0)
+    sent = PropagateGrads(context_id=1, backward_id=1, message_id=1, mode="fast", retain_graph=False,
+                          grads=(travelling(row), travelling(column)))
+    got = PropagateGrads.load(_through_the_wire(sent.dump()))
+    assert torch.equal(got.grads[0], row) and torch.equal(got.grads[1], column)
+    assert got.grads[0].stride()[0] == 0 and got.grads[1].stride()[1] == 0
+
+
 def test_backward_report_round_trip_and_refusal() -> None:
     report = BackwardReport(pairs=frozenset({1, 2, 3}), fired=frozenset({3}))
     assert BackwardReport.load(_through_the_wire(report.dump())) == report
