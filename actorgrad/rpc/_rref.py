@@ -25,7 +25,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from .._errors import RemoteError, RpcTimeout, WorkerLost
 from ..runtime import PeerRef, Worker, WorkerInfo, await_threadsafe, get_worker
+from ..runtime._calls import check_timeout
+from ..runtime._worker import describe_error
 from ..wire import Payload
 from . import _api
 
@@ -163,12 +166,41 @@ class RRef(Generic[T]):
         return self._value.result()
 
     async def to_here(self, timeout: float | None = None) -> T:
-        """A copy of the value on this worker (inside an autograd context, recorded)."""
+        """A copy of the value on this worker (inside an autograd context, recorded).
+
+        Fails alike on the owner and elsewhere.
+
+        Raises:
+            RemoteError: the function creating the value raised.
+            RpcTimeout: the value did not arrive within ``timeout`` (None:
+                ``RpcOptions.rpc_timeout``; 0: no limit), or its creation timed out.
+            WorkerLost: the owner, or the worker that asked for the value, is gone.
+            ValueError: ``timeout`` is negative.
+        """
         if self._value is not None:
-            return await asyncio.shield(self._value)
+            return await self._owner_value(self._value, timeout)
         worker = self._worker
         src, reply = _api.send_request(worker, self._owner, "rref.fetch", (self._id,), timeout)
         return _api.load_value(worker, await reply, src)
+
+    async def _owner_value(self, value: asyncio.Future[Any], timeout: float | None) -> T:
+        """``to_here`` on the owner: fails as a fetch from any other worker would."""
+        check_timeout(timeout)
+        worker = self._worker
+        if not value.done():
+            limit = worker.options.rpc_timeout if timeout is None else timeout
+            await asyncio.wait((value,), timeout=limit or None)  # leaves the value be
+            if not value.done():
+                raise RpcTimeout(
+                    f"to_here() on {worker.name} timed out after {limit}s: "
+                    "the RRef's value is still being created"
+                )
+        exc = value.exception()
+        if exc is None:
+            return value.result()
+        if isinstance(exc, (RpcTimeout, WorkerLost)):
+            raise exc  # a fetch from elsewhere passes these through too (Worker._remote_error)
+        raise RemoteError(worker.name, *describe_error(exc)) from exc
 
     # -- proxies --------------------------------------------------------------------
     def rpc_async(self, timeout: float | None = None) -> Any:
@@ -264,6 +296,28 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
     return RRef._make(worker, owner, rref_id, fork, value)
 
 
+def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseException) -> BaseException:
+    """The error that uses of an RRef raise when creating its value ended with ``exc``.
+
+    The create call's own cancellation must not be stored as it is: the owner's
+    to_here would raise it into its caller as if that task was cancelled, and fetches
+    would re-raise it as a cancellation of theirs.
+    """
+    task = asyncio.current_task()
+    if not isinstance(exc, asyncio.CancelledError) or task is None or not task.cancelling():
+        return exc  # the function's own error (a CancelledError it raised included)
+    if worker.closed:
+        return WorkerLost(worker.name, f"shut down before RRef {rref_id} was created")
+    if not peer.is_open:
+        return WorkerLost(
+            peer.name or "?", f"left before RRef {rref_id} it asked {worker.name} for was created"
+        )
+    return RpcTimeout(
+        f"creating RRef {rref_id} on {worker.name} was abandoned: the remote() call from "
+        f"{peer.name} timed out"
+    )
+
+
 def install_handlers(worker: Worker) -> None:
     table = owner_table(worker)
     from . import _hooks
@@ -285,7 +339,7 @@ def install_handlers(worker: Worker) -> None:
                 with hooks.scope(worker, meta):
                     result = await _api.run_user_function(worker, func, args, kwargs)
             except BaseException as exc:
-                value.set_exception(exc)
+                value.set_exception(_creation_error(worker, peer, rref_id, exc))
                 value.exception()  # retrieved: the error surfaces on the RRef's next use
                 raise
             finally:

@@ -28,6 +28,20 @@ if TYPE_CHECKING:
 _REBUILD_SLACK = 1024  # stale heap entries tolerated beyond twice the pending calls
 
 
+def check_timeout(timeout: float | None) -> None:
+    """Refuse a per-call ``timeout`` that is neither None (the default), 0 (no limit)
+    nor a positive number of seconds.
+
+    Raises:
+        ValueError: ``timeout`` is negative or NaN (which ``limit > 0`` would
+            silently turn into "no limit").
+    """
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(
+            f"timeout must be >= 0 seconds (0: no limit; None: RpcOptions.rpc_timeout), got {timeout!r}"
+        )
+
+
 class CallFuture(asyncio.Future[Any]):
     """The future of one outstanding call; cancelling it cancels the remote work."""
 

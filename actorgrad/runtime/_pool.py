@@ -131,4 +131,11 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
+        if isinstance(exc, StopIteration):
+            # Python 3.11's futures refuse StopIteration (it would end the awaiting
+            # coroutine as if it returned), so this future would never resolve; wrap
+            # it in a RuntimeError as 3.12's set_exception does itself.
+            wrapped = RuntimeError(f"the function raised StopIteration: {exc!r}")
+            wrapped.__cause__ = exc
+            exc = wrapped
         future.set_exception(exc)

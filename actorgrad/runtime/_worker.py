@@ -45,7 +45,7 @@ from ..wire import (
     Tell,
 )
 from . import _current, _local
-from ._calls import CallFuture, PendingCalls
+from ._calls import CallFuture, PendingCalls, check_timeout
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
@@ -62,20 +62,45 @@ Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None
 PeerRef = str | int | WorkerInfo
 
 
+# What a remote function may raise that its caller gets as RemoteError. Other
+# BaseExceptions (SystemExit, KeyboardInterrupt) end the worker, as they would a script.
+_ANSWERED = (Exception, GeneratorExit, asyncio.CancelledError)
+
+
+def describe_error(exc: BaseException) -> tuple[str, str, str]:
+    """``exc``'s type name, message and formatted traceback; never raises.
+
+    A user's exception may break ``str()``: the caller must still get an answer.
+    """
+    kind = type(exc)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        message = str(exc)
+    except Exception as str_exc:
+        message = f"<str() of the exception failed: {type(str_exc).__name__}>"
+    tb = "".join(traceback.format_exception(exc))  # tolerates a failing str() itself
+    return name, message, tb
+
+
 def error_payload(exc: BaseException) -> Payload:
     """Describe ``exc`` for the caller: type, message, traceback, and the exception.
 
     The exception itself travels as separate bytes: if it cannot be pickled here, or
     rebuilt there, the caller still gets its type name, message and traceback.
     """
-    kind = type(exc)
-    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    tb = "".join(traceback.format_exception(exc))
     try:
         pickled: bytes | None = cloudpickle.dumps(exc)
     except Exception:
         pickled = None
-    return Payload.dump((name, str(exc), tb, pickled))
+    return Payload.dump((*describe_error(exc), pickled))
+
+
+def _runs_in(task: asyncio.Task[Any] | None) -> bool:
+    """Whether the code calling this runs as a step of ``task``."""
+    try:
+        return task is not None and asyncio.current_task() is task
+    except RuntimeError:  # no running loop
+        return False
 
 
 class Worker:
@@ -430,7 +455,7 @@ class Worker:
                 raise ProtocolError(f"{self.name} has no handler for {msg.target!r}")
             self.serving_request = msg.request_id
             reply = handler(peer, msg.payload)
-        except Exception as exc:
+        except _ANSWERED as exc:  # no task here: a CancelledError is the function's own
             peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
             return
         if isinstance(reply, Payload):
@@ -443,16 +468,26 @@ class Worker:
 
     async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None]) -> None:
         start = now_us() if self.tracer.enabled else 0.0
+        task = asyncio.current_task()
         try:
             result = await reply
             if result is None:  # the handler passed the duty to answer on
                 peer.serving.pop(request_id, None)
                 return
             response: Message = Result(request_id=request_id, payload=result)
-        except asyncio.CancelledError:
-            if peer.serving.pop(request_id, None) is not None and not self.closed:
-                raise  # cancelled by us (shutdown): nothing to answer
-            return  # cancelled by the caller: it no longer waits
+        except asyncio.CancelledError as exc:
+            # Our Cancel handler, a lost peer and shutdown end this task with cancel(),
+            # which cancelling() counts; a CancelledError the function raised itself
+            # (or an inner task of it that was cancelled) is its error, to be answered.
+            if task is None or task.cancelling():
+                if peer.serving.pop(request_id, None) is not None and not self.closed:
+                    raise  # cancelled by us (shutdown): nothing to answer
+                return  # cancelled by the caller: it no longer waits
+            response = Failure(request_id=request_id, payload=error_payload(exc))
+        except GeneratorExit as exc:
+            if not _runs_in(task):
+                raise  # thrown in by close() (the loop is gone): nobody to answer
+            response = Failure(request_id=request_id, payload=error_payload(exc))
         except Exception as exc:
             response = Failure(request_id=request_id, payload=error_payload(exc))
         peer.serving.pop(request_id, None)
@@ -529,6 +564,7 @@ class Worker:
         """
         if self.closed:
             raise RuntimeError(f"{self.name} is shut down")
+        check_timeout(timeout)
         peer = self.peer(to)
         limit = self.options.rpc_timeout if timeout is None else timeout
         future = self._pending.add(peer, decode, limit)
@@ -706,4 +742,4 @@ class Worker:
                     log.exception("%s: closing %s failed", self.name, name)
 
 
-__all__ = ["AuthenticationError", "Worker", "error_payload"]
+__all__ = ["AuthenticationError", "Worker", "describe_error", "error_payload"]
