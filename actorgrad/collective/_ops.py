@@ -364,14 +364,18 @@ class Op:
             return
         self.done = True
         self.actor.forget(self)
-        if self.after is not None:
-            try:
+        try:
+            self.write_late()
+            if self.after is not None:
                 self.after()
-            except Exception as exc:
-                self.future.set_exception(exc)
-                return
+        except Exception as exc:
+            self.future.set_exception(exc)
+            return
         if not self.future.done():
             self.future.set_result(self.result)
+
+    def write_late(self) -> None:
+        """Write results that had to wait for every acknowledgement (see DirectReduce)."""
 
     def fail(self, exc: BaseException, cause: BaseException | None = None) -> None:
         """End the operation on this rank with ``exc``."""
@@ -420,6 +424,7 @@ class DirectReduce(Op):
         self.parts: list[Data] = [None] * self.n
         self.got = 0
         self.receiving = root is None or root == self.rank
+        self.late: torch.Tensor | None = None  # the result, while peers still read ``t``
 
     def start(self) -> None:
         self.send_to_root(self.t)
@@ -442,7 +447,18 @@ class DirectReduce(Op):
         for p in views[1:]:
             reduce_into(result, p, op)  # type: ignore[arg-type]
         finish_avg(result, op, self.n)
-        t.copy_(result)
+        if self.acks_needed:
+            # Peers read ``t`` itself through CMA and may not have yet (their data can
+            # complete later than ours): overwriting it now would hand them the
+            # result instead of our contribution. It is written once they all acked.
+            self.late = result
+        else:
+            t.copy_(result)
+
+    def write_late(self) -> None:
+        if self.late is not None:
+            self.t.copy_(self.late)
+            self.late = None
 
 
 def send_tiny(worker: Any, members: tuple[int, ...], gid: int, seq: int, sig: bytes,

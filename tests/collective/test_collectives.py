@@ -10,7 +10,7 @@ from collective_helpers import expected, run_all, tune
 from torch.testing import assert_close
 
 import actorgrad.collective as C
-from actorgrad.collective import ReduceOp
+from actorgrad.collective import ReduceOp, _cma
 from actorgrad.testing import InProcessGroup
 
 N = 4
@@ -223,6 +223,41 @@ async def test_ring_all_reduce_and_chain_broadcast(make_group: object, numel: in
         assert_close(avg, want / N, rtol=1e-5, atol=1e-5)
         assert torch.equal(b, ins[1])
         assert torch.equal(t, results[0][0])  # identical on every rank
+
+
+async def test_direct_all_reduce_read_through_cma_while_the_result_is_written(
+    make_group: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Medium tensors (CMA size, below the ring) go to every peer as an address in the
+    caller's tensor; a rank whose data completes first must not write its result there
+    before the slower peers have read their copy."""
+    if not _cma.available():
+        pytest.skip("process_vm_readv is not available here")
+    reads: list[int] = []
+    read_into = _cma.RemoteRef.read_into
+
+    def counted(ref: _cma.RemoteRef, dst: torch.Tensor) -> None:
+        reads.append(dst.numel())
+        read_into(ref, dst)
+
+    monkeypatch.setattr(_cma.RemoteRef, "read_into", counted)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    numel = 20_000  # 80 KB: over CMA_MIN_BYTES, under the ring
+    ins = [inp(r, (numel,)) for r in range(3)]
+    want = expected(ReduceOp.SUM, ins)
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        out = []
+        for _ in range(12):
+            t = ins[rank].clone()
+            await C.all_reduce(t)
+            out.append(t)
+        return out
+
+    for rank_results in await run_all(group, body, timeout=60):
+        for t in rank_results:
+            assert_close(t, want, rtol=1e-5, atol=1e-5)
+    assert reads, "no data went through CMA: the case is not exercised"
 
 
 async def test_ring_reduce_and_large_gather(make_group: object) -> None:
