@@ -522,6 +522,8 @@ class TinyAllReduce(Op):
 
     def complete(self) -> None:
         flat, dtype, me = self.flat, self.flat.dtype, self.me
+        if not flat.numel():
+            return  # nothing to reduce (the signatures matched: every rank's is empty)
         parts = [flat if i == me else torch.frombuffer(bytearray(p), dtype=dtype)
                  for i, p in enumerate(self.parts)]
         fn = _TORCH_OPS[self.op]

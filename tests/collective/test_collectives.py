@@ -75,6 +75,27 @@ async def test_all_reduce_non_contiguous_and_scalar(world4: InProcessGroup) -> N
         assert scalar.item() == 6.0
 
 
+async def test_zero_element_all_reduce_first_and_later(world4: InProcessGroup) -> None:
+    """A no-op, as in torch: first on the group (before the shared-memory arena is
+    negotiated: the plain message path) and again later, then a real one."""
+
+    async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        empty = torch.empty(0)
+        await C.all_reduce(empty)
+        rows = torch.zeros(3, 0)
+        await C.all_reduce(rows, op=ReduceOp.MAX)
+        for _ in range(3):
+            await C.all_reduce(torch.empty(0))
+        t = inp(rank)
+        await C.all_reduce(t)
+        return empty, rows, t
+
+    want = expected(ReduceOp.SUM, [inp(r) for r in range(N)])
+    for empty, rows, t in await run_all(world4, body):
+        assert empty.shape == (0,) and rows.shape == (3, 0)
+        assert_close(t, want)
+
+
 @pytest.mark.parametrize("src", [0, 3])
 async def test_broadcast(world4: InProcessGroup, src: int) -> None:
     async def body(rank: int) -> torch.Tensor:
