@@ -18,6 +18,13 @@
   walked; parameters it does not reach are marked ready (zero) up front, and one more
   small all-reduce of a "used" mask tells which parameters no rank used (their
   ``.grad`` is left alone, as torch does).
+* A gradient hook that fires for a parameter already marked ready in this backward
+  (used outside forward, e.g. in the loss, so the graph walk missed it; or reused across
+  reentrant backward passes) cannot be reduced any more: its bucket already went out.
+  torch raises "Expected to mark a variable ready only once"; so do we, naming the
+  parameter. The flag rides on the "used" mask all-reduce, so with
+  ``find_unused_parameters`` every rank raises instead of one rank leaving the others
+  with diverged replicas (or waiting for it in the next collective).
 * Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
   synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
   ``backward`` (which is the same data: nothing changes buffers in between) and in
@@ -95,6 +102,10 @@ class DistributedDataParallel(nn.Module):
         self._active = False  # inside backward(): hooks feed the buckets
         self._stray = False  # hooks fired outside backward()
         self._ready = [False] * len(self._params)
+        # Written by the hooks, on the backward's thread (``_ready`` lags behind, on the
+        # loop): which parameters were claimed in this backward, and which came twice.
+        self._claimed = [False] * len(self._params)
+        self._late: list[int] = []
         self._unused: list[int] = []  # from the last forward (find_unused_parameters)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
@@ -217,6 +228,13 @@ class DistributedDataParallel(nn.Module):
                 if self.require_backward_grad_sync:
                     self._stray = True
                 return
+            if self._claimed[i]:
+                # Its slot is (or may be) in flight already: copying now would race the
+                # all-reduce. Remember it; backward() raises once the ranks are in step.
+                # One parameter's hook runs on one device thread, so no lock is needed.
+                self._late.append(i)
+                return
+            self._claimed[i] = True
             b, offset, n = self._where[i]
             grad = p.grad
             if grad is not None:
@@ -250,11 +268,14 @@ class DistributedDataParallel(nn.Module):
     def _prepare(self) -> None:
         self._next_launch = 0
         self._ready = [False] * len(self._params)
+        self._claimed = [False] * len(self._params)
+        self._late = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.future = None
         self._active = True
         for i in self._unused:
+            self._claimed[i] = True  # set before the backward thread starts: it sees it
             self._zero_slot(i)
             self._mark_ready(i)
 
@@ -272,7 +293,10 @@ class DistributedDataParallel(nn.Module):
 
         Raises:
             RuntimeError: some parameters got no gradient and ``find_unused_parameters``
-                is off (their buckets were still reduced, with zeros, on this rank).
+                is off (their buckets were still reduced, with zeros, on this rank); or a
+                parameter's gradient came after it was marked ready (used outside
+                forward, or reused in reentrant backward passes). With
+                ``find_unused_parameters`` the latter is raised on every rank.
             CollectiveError: the all-reduce failed (a rank is gone, ...).
         """
         if not isinstance(loss, torch.Tensor):
@@ -296,10 +320,17 @@ class DistributedDataParallel(nn.Module):
                 self._launch_ready()
             await asyncio.gather(*(b.future for b in self._buckets if b.future is not None))
             global_used: list[bool] | None = None
+            late = set(self._late)
+            late_ranks = [1 if i in late else 0 for i in range(len(self._params))]
             if self.find_unused_parameters:
-                mask = torch.tensor([1.0 if u else 0.0 for u in used])
+                # "used" flags, then "came late" flags: the same one all-reduce tells every
+                # rank about a late gradient anywhere, so all of them raise below
+                n = len(self._params)
+                mask = torch.tensor([1.0 if u else 0.0 for u in used] + [float(x) for x in late_ranks])
                 await C.all_reduce(mask, group=self.group)
-                global_used = [bool(v > 0) for v in mask.tolist()]
+                counts = mask.tolist()
+                global_used = [bool(v > 0) for v in counts[:n]]
+                late_ranks = [round(v) for v in counts[n:]]
         finally:
             self._active = False
         self._write_grads(global_used)
@@ -308,6 +339,8 @@ class DistributedDataParallel(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 await self._broadcast(buffers)
+        if any(late_ranks):
+            raise RuntimeError(self._late_message(late_ranks))
         if missing and not self.find_unused_parameters:
             names = ", ".join(self._names[i] for i in missing[:8])
             raise RuntimeError(
@@ -315,6 +348,27 @@ class DistributedDataParallel(nn.Module):
                 "the other ranks waited for them. If some parameters are legitimately not "
                 "used in some iterations, create the wrapper with find_unused_parameters=True"
             )
+
+    def _late_message(self, late_ranks: list[int]) -> str:
+        if self.find_unused_parameters:
+            names = ", ".join(f"{self._names[i]!r} (on {k} rank(s))" for i, k in enumerate(late_ranks) if k)
+        else:
+            names = ", ".join(f"{self._names[i]!r} (on this rank)" for i, k in enumerate(late_ranks) if k)
+        # Only find_unused_parameters marks a parameter ready before its hook runs; a
+        # second hook call otherwise means a second accumulation (reentrant backward).
+        outside = (
+            "the parameter is used outside the wrapped module's forward (e.g. in the loss), "
+            "where find_unused_parameters=True cannot see it and reduces a zero for it: use "
+            "it inside forward(); or " if self.find_unused_parameters else ""
+        )
+        return (
+            f"Expected to mark a parameter ready only once, but {names} got a gradient "
+            "after being marked ready in this backward; its bucket had been all-reduced "
+            f"without it, so the replicas would diverge. Cause: {outside}it is reused across "
+            "reentrant backward passes (e.g. torch.utils.checkpoint with use_reentrant=True, "
+            "and a parameter used both inside and outside the checkpoint): use "
+            "use_reentrant=False"
+        )
 
     def _write_grads(self, global_used: list[bool] | None) -> None:
         for bucket in self._buckets:

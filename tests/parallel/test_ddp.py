@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
 
 import actorgrad.collective as C
 from actorgrad.parallel import DistributedDataParallel as DDP
@@ -141,6 +142,63 @@ async def test_unused_parameter_without_the_flag_raises_instead_of_hanging(make_
 
     results = await run_settled(group, body)
     assert all(isinstance(r, RuntimeError) and "find_unused_parameters" in str(r) for r in results)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.tensor([1.5]))  # not used by forward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("scale_users", [(0, 1), (0,)], ids=["both", "rank0"])
+async def test_parameter_used_outside_forward_raises_on_every_rank(
+        make_group: Any, scale_users: tuple[int, ...]) -> None:
+    # find_unused_parameters sees `scale` unused after forward and reduces a zero for it;
+    # its gradient from the loss comes too late, so (as torch) this is an error, and not
+    # only on the rank where it happens: the other one would diverge or wait for it
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        torch.manual_seed(0)
+        model = Scaled()
+        ddp = await DDP.create(model, find_unused_parameters=True)
+        shard = slice(4 * rank, 4 * rank + 4)
+        loss = nn.functional.mse_loss(ddp(X[shard]), Y[shard])
+        await ddp.backward(loss * model.scale if rank in scale_users else loss)
+
+    results = await run_settled(group, body)
+    for r in results:
+        assert isinstance(r, RuntimeError), r
+        assert "'scale'" in str(r) and "outside" in str(r) and "only once" in str(r)
+
+
+async def test_parameter_reused_in_reentrant_backward_raises(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(6, 6)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(self.inner, x, use_reentrant=True)
+            return self.head(self.inner(h))  # `inner` accumulates twice: two hook calls
+
+    async def body(rank: int) -> None:
+        torch.manual_seed(0)
+        ddp = await DDP.create(Twice())
+        x = X[:4].clone().requires_grad_(True)
+        await ddp.backward(nn.functional.mse_loss(ddp(x), Y[:4]))
+
+    results = await run_settled(group, body)
+    for r in results:
+        assert isinstance(r, RuntimeError), r
+        assert "'inner.weight'" in str(r) and "reentrant" in str(r)
 
 
 async def test_buffers_follow_rank0(make_group: Any) -> None:
