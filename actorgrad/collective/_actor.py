@@ -144,6 +144,16 @@ class CollectiveActor:
         self._seq[group.id] = seq + 1
         return seq
 
+    def refuse(self, group: Group, reason: str) -> None:
+        """This rank refused its part of the group's next collective (a bad argument):
+        the others' part of it fails with ``reason`` as soon as they call it."""
+        seq = self.next_seq(group)
+        self.arenas.skip(group.id, seq)
+        text = f"{reason} (the arguments were refused there)".encode()
+        for r in group.ranks:
+            if r != self.worker.rank:
+                _ops.send_fail(self.worker, r, group.id, seq, text)
+
     def run(self, op: Op) -> asyncio.Future[Any]:
         """Register ``op``, arm its deadline, send its first messages, feed it the
         messages that arrived before this rank entered it."""

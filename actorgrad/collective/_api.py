@@ -8,7 +8,9 @@ process group (``"gloo"``, ``"nccl"``) after :func:`init_process_group`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -228,10 +230,11 @@ async def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None,
                     async_op: bool = False) -> Work | None:
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` of every member."""
     act, g, impl = _prepare(group, "broadcast")
-    _check_tensor(tensor, "tensor")
-    if g is None:
-        return None
-    _check_member(src, g, act, "src")
+    with _refusal(act, g, "broadcast"):
+        _check_tensor(tensor, "tensor")
+        if g is None:
+            return None
+        _check_member(src, g, act, "src")
     return await _finish(impl.broadcast(g, tensor, src), async_op, [tensor])
 
 
@@ -272,11 +275,12 @@ async def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
     """Reduce ``tensor`` over the group into ``tensor`` of global rank ``dst``; the
     other ranks' tensors are left unchanged."""
     act, g, impl = _prepare(group, "reduce")
-    _check_tensor(tensor, "tensor")
-    _check_op(op, tensor)
-    if g is None:
-        return None
-    _check_member(dst, g, act, "dst")
+    with _refusal(act, g, "reduce"):
+        _check_tensor(tensor, "tensor")
+        _check_op(op, tensor)
+        if g is None:
+            return None
+        _check_member(dst, g, act, "dst")
     if len(g.ranks) == 1:
         return await _finish(_done(act), async_op, [tensor])
     return await _finish(impl.reduce(g, tensor, dst, op), async_op, [tensor])
@@ -287,15 +291,16 @@ async def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None 
     """Global rank ``src`` sends ``scatter_list[i]`` to the member of group rank ``i``,
     which receives it into ``tensor``."""
     act, g, impl = _prepare(group, "scatter")
-    _check_tensor(tensor, "tensor")
-    if g is None:
-        return None
-    _check_member(src, g, act, "src")
-    parts: list[torch.Tensor] | None = None
-    if act.worker.rank == src:
-        parts = _check_list(scatter_list, g, tensor, "scatter_list", "the source rank")
-    elif scatter_list:
-        raise ValueError("scatter: scatter_list must be None (or empty) on ranks other than src")
+    with _refusal(act, g, "scatter"):
+        _check_tensor(tensor, "tensor")
+        if g is None:
+            return None
+        _check_member(src, g, act, "src")
+        parts: list[torch.Tensor] | None = None
+        if act.worker.rank == src:
+            parts = _check_list(scatter_list, g, tensor, "scatter_list", "the source rank")
+        elif scatter_list:
+            raise ValueError("scatter: scatter_list must be None (or empty) on ranks other than src")
     return await _finish(impl.scatter(g, tensor, parts, src), async_op, [tensor])
 
 
@@ -304,15 +309,16 @@ async def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = 
     """Collect ``tensor`` of every member into ``gather_list`` on global rank ``dst``
     (in group rank order)."""
     act, g, impl = _prepare(group, "gather")
-    _check_tensor(tensor, "tensor")
-    if g is None:
-        return None
-    _check_member(dst, g, act, "dst")
-    out: list[torch.Tensor] | None = None
-    if act.worker.rank == dst:
-        out = _check_list(gather_list, g, tensor, "gather_list", "the destination rank")
-    elif gather_list:
-        raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
+    with _refusal(act, g, "gather"):
+        _check_tensor(tensor, "tensor")
+        if g is None:
+            return None
+        _check_member(dst, g, act, "dst")
+        out: list[torch.Tensor] | None = None
+        if act.worker.rank == dst:
+            out = _check_list(gather_list, g, tensor, "gather_list", "the destination rank")
+        elif gather_list:
+            raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
     return await _finish(impl.gather(g, tensor, out, dst), async_op, out or [])
 
 
@@ -320,10 +326,11 @@ async def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, grou
                      async_op: bool = False) -> Work | None:
     """Collect ``tensor`` of every member into ``tensor_list`` on every member."""
     act, g, impl = _prepare(group, "all_gather")
-    _check_tensor(tensor, "tensor")
-    if g is None:
-        return None
-    out = _check_list(tensor_list, g, tensor, "tensor_list", "every rank")
+    with _refusal(act, g, "all_gather"):
+        _check_tensor(tensor, "tensor")
+        if g is None:
+            return None
+        out = _check_list(tensor_list, g, tensor, "tensor_list", "every rank")
     return await _finish(impl.gather(g, tensor, out, None), async_op, out)
 
 
@@ -412,6 +419,22 @@ def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | N
     if act.torch is None or act.torch.name != g.backend:
         raise CollectiveError(f"{g!r} needs the {g.backend} backend, which is not initialized")
     return act, g, act.torch
+
+
+@contextlib.contextmanager
+def _refusal(act: CollectiveActor, g: Group | None, what: str) -> Iterator[None]:
+    """Around a member's argument checks: when they refuse this rank's part of a
+    collective of ours, the other members' part fails at once (naming the problem)
+    instead of waiting for this rank until their timeout, and the group's operations
+    stay numbered alike on every member. Not for all_reduce: which all-reduces are
+    tiny must count alike on every member (see ``_arena_channel``), and a refused one
+    would count on the others only."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        if g is not None and g.backend == "actorgrad" and len(g.ranks) > 1:
+            act.refuse(g, f"{what}: {exc}")
+        raise
 
 
 def _group(act: CollectiveActor, group: Group | None) -> Group:

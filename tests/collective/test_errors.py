@@ -138,6 +138,47 @@ async def test_group_still_works_after_a_failed_collective(make_group: object) -
     assert await run_all(group, body) == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("case", ["scatter_list", "gather_list", "src", "tensor_list"])
+async def test_arguments_refused_on_one_rank_fail_the_others_at_once(make_group: object, case: str) -> None:
+    """Rank 1 alone passes a bad argument: it raises it, and the others raise
+    CollectiveError naming it right away (not after the 60 s timeout); then the group's
+    next collectives run on every rank, numbered alike."""
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def body(rank: int) -> tuple[str, list[float]]:
+        bad = rank == 1
+        t = torch.full((4,), float(rank))
+        try:
+            if case == "scatter_list":  # rank 1 is the source, with a list one too short
+                parts = [torch.zeros(4) for _ in range(2 if bad else 3)]
+                await C.scatter(t, parts if rank == 1 else None, src=1)
+            elif case == "gather_list":  # a list on a rank other than the destination
+                await C.gather(t, [torch.zeros(4) for _ in range(3)] if rank in (0, 1) else None, dst=0)
+            elif case == "src":
+                await C.broadcast(t, src=7 if bad else 0)
+            else:
+                await C.all_gather([torch.zeros(4 if not bad else 5) for _ in range(3)], t)
+            outcome = "ok"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        after = torch.full((2,), float(rank))
+        await C.all_reduce(after)
+        everyone = [torch.zeros(1) for _ in range(3)]
+        await C.all_gather(everyone, torch.tensor([float(rank)]))
+        return outcome, [*after.tolist(), *(e.item() for e in everyone)]
+
+    start = time.monotonic()
+    results = await run_all(group, body, timeout=30)
+    assert time.monotonic() - start < 10, "the others waited for the refusing rank"
+    (bad_outcome, _), others = results[1], [results[0], results[2]]
+    assert bad_outcome.startswith(("ValueError", "TypeError")), bad_outcome
+    for outcome, _ in others:
+        assert outcome.startswith("CollectiveError") and "rank 1" in outcome, outcome
+        assert bad_outcome.split(": ", 1)[1] in outcome  # the reason, as rank 1 saw it
+    for _, values in results:
+        assert values == [3.0, 3.0, 0.0, 1.0, 2.0]
+
+
 # -- a rank that dies ------------------------------------------------------------------------
 async def _install() -> None:
     """Make sure a subprocess worker has its CollectiveActor (until ``actorgrad``
