@@ -88,6 +88,7 @@ def _clear(ctx: DistContext) -> None:
     ctx.sends.clear()
     ctx.recvs.clear()
     ctx.grads.clear()
+    ctx.grad_ids.clear()
 
 
 def _small_graph(ctx: DistContext) -> bool:
@@ -207,6 +208,7 @@ class DistContext:
     recvs: dict[int, RecvEntry] = field(default_factory=dict)
     recv_of_leaf: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(leaf) -> (msg, i)
     grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    grad_ids: set[int] = field(default_factory=set)  # id() of the tensors in ``grads``
     peers: set[int] = field(default_factory=set)
     running_backwards: int = 0
     graph_tasks: dict[int, Any] = field(default_factory=dict)  # backward id -> GraphTask
@@ -217,13 +219,20 @@ class DistContext:
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         held = self.grads.get(tensor)
         if held is not None:
-            self.grads[tensor] = held + grad
+            total = self.grads[tensor] = held + grad
+            self.grad_ids.discard(id(held))
         elif is_broadcast(grad):
             # a broadcast gradient (d(x.sum())/dx): stored dense, as torch's
             # AccumulateGrad would, so that it can be modified in place
-            self.grads[tensor] = grad.contiguous()
+            total = self.grads[tensor] = grad.contiguous()
+        elif id(grad) in self.grad_ids:
+            # one tensor handed to two leaves (y = a + b gives both the same gradient):
+            # each gets its own, as torch's AccumulateGrad clones a shared gradient, so
+            # changing one in place (an optimizer, a user) leaves the other alone
+            total = self.grads[tensor] = grad.clone()
         else:
-            self.grads[tensor] = grad
+            total = self.grads[tensor] = grad
+        self.grad_ids.add(id(total))
 
     def describe(self, message_id: int) -> str:
         if (send := self.sends.get(message_id)) is not None:

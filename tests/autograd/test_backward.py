@@ -620,6 +620,22 @@ async def test_rpc_under_no_grad_is_not_recorded(group2, mode):
     await wait_released(["worker0", "worker1"])
 
 
+async def test_leaves_given_one_gradient_tensor_get_their_own(group2):
+    """y = a + b hands both leaves the same tensor; as with torch's AccumulateGrad each
+    leaf's context gradient is its own (scaling one in place leaves the other)."""
+    a, b, c, d = rand3(), rand3(), rand3(), rand3()
+    k = torch.rand(3, 3)  # a dense gradient (the sum's alone is broadcast, stored apart)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.add, args=(a, b))
+        await ag.autograd.backward(context_id, [((y + c + d) * k).sum()])
+        grads = ag.autograd.get_gradients(context_id)
+    for one, other in ((a, b), (c, d)):
+        assert grads[one].data_ptr() != grads[other].data_ptr()
+        grads[one].mul_(0.5)
+        torch.testing.assert_close(grads[other], k)
+        torch.testing.assert_close(grads[one], k * 0.5)
+
+
 def sparse_lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(idx, weight, sparse=True).sum(1)
 
