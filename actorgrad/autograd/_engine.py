@@ -215,6 +215,26 @@ class EngineActor:
     def on_traverse(self, peer: Any, payload: Payload) -> Any:
         msg = Traverse.load(payload)
         ctx = self.contexts.get(msg.context_id)
+        try:
+            outcome = self._traverse(peer, msg, ctx)
+        except Exception as exc:
+            if ctx.released:
+                raise self._released(ctx) from exc
+            raise
+        if isinstance(outcome, Payload):
+            return outcome
+
+        async def run() -> Payload:
+            try:
+                return await outcome
+            except Exception as exc:
+                if ctx.released:
+                    raise self._released(ctx) from exc
+                raise
+
+        return run()
+
+    def _traverse(self, peer: Any, msg: Traverse, ctx: DistContext) -> Payload | Awaitable[Payload]:
         entry = self._send_entry(ctx, msg.message_id)
         task = self._graph_task(ctx, msg.backward_id, "smart", msg.retain_graph)
         if msg.message_id in task.reached:
@@ -250,15 +270,37 @@ class EngineActor:
         """A PROPAGATE_GRADS call: the reply, a task making it, or None when the duty
         to answer went along with the one propagation this one caused."""
         owed = (peer.rank, self.worker.serving_request, self.worker.rank)
-        outcome = self._serve(PropagateGrads.load(payload), owed)
+        msg = PropagateGrads.load(payload)
+        ctx = self.contexts.get(msg.context_id)
+        try:
+            outcome = self._serve(msg, owed)
+        except Exception as exc:
+            if ctx.released:
+                raise self._released(ctx) from exc
+            raise
         if outcome is None or isinstance(outcome, BackwardReport):
             return None if outcome is None else outcome.dump()
 
         async def reply() -> Payload | None:
-            report = await outcome
+            try:
+                report = await outcome
+            except Exception as exc:
+                if ctx.released:
+                    raise self._released(ctx) from exc
+                raise
             return None if report is None else report.dump()  # None: answered elsewhere
 
         return reply()
+
+    def _released(self, ctx: DistContext, cause: Exception | None = None) -> ContextError:
+        """What a pass fails with whose context was released while it ran: the entries
+        it worked on are gone, and whatever broke on that is not the caller's concern."""
+        error = ContextError(
+            f"autograd context {ctx.context_id} was released on {self.worker.name} while a "
+            "backward pass ran in it (its block was left before backward() returned)"
+        )
+        error.__cause__ = cause
+        return error
 
     def on_delegated_propagate(self, peer: Any, payload: Payload) -> None:
         """A PROPAGATE_GRADS tell that carries the duty to answer someone's call."""
@@ -266,10 +308,11 @@ class EngineActor:
         if msg.reply is None:
             return
         caller, request_id, _ = msg.reply
+        ctx = self.contexts.contexts.get(msg.context_id)
         try:
             outcome = self._serve(msg, msg.reply)
         except Exception as exc:
-            self._answer(caller, request_id, exc)
+            self._answer(caller, request_id, self._released(ctx, exc) if ctx is not None and ctx.released else exc)
             return
         if outcome is None:
             return
@@ -284,7 +327,7 @@ class EngineActor:
                     return  # passed along again
                 result: BackwardReport | BaseException = report
             except Exception as exc:
-                result = exc
+                result = self._released(ctx, exc) if ctx is not None and ctx.released else exc
             self._answer(caller, request_id, result)
 
         self.worker.spawn(answer_when_done())
@@ -846,8 +889,14 @@ async def backward(
             await engine.discover(ctx, task, roots)
         await engine.plan(ctx, task, roots)
         report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
+    except Exception as exc:
+        if ctx.released:
+            raise engine._released(ctx) from exc
+        raise
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)
+    if ctx.released:  # its entries went mid-pass: what was planned from them is partial
+        raise engine._released(ctx)
     if not retain_graph:
         ctx.graph_freed = True
     if mode == "fast":

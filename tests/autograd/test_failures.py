@@ -358,3 +358,28 @@ async def test_late_reply_after_exit_does_not_resurrect_context(make_process_gro
     await asyncio.sleep(0.1)
     infos = await debug_infos(["worker0", "worker1"])
     assert all(i["num_autograd_contexts"] == 0 for i in infos.values()), infos
+
+
+def many_steps(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x * 1.001 + 0.001 * torch.sin(x)
+    return x
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_context_left_while_its_backward_runs(group2, mode):
+    """Leaving the context (here: exiting it by hand) while a big backward runs in it
+    on another task: backward raises ContextError saying so, not an internal KeyError
+    from the entries the release freed, and nothing is left behind."""
+    x = rand3()
+    scope = ag.autograd.context()
+    context_id = await scope.__aenter__()
+    h = many_steps(x, 3000)  # a big graph: released through the reaper thread
+    a = await ag.rpc_async("worker1", slow_backward_fn(1.0), args=(h,))
+    running = asyncio.ensure_future(ag.autograd.backward(context_id, [(a * h).sum()], mode=mode))
+    await asyncio.sleep(0.2)
+    assert not running.done(), "the backward ended before the context was left"
+    await scope.__aexit__(None, None, None)
+    with pytest.raises(ag.ContextError, match="released .* while a backward pass ran"):
+        await asyncio.wait_for(running, 30)
+    await wait_released(["worker0", "worker1"], timeout=10)
