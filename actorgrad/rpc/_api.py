@@ -18,6 +18,7 @@ from ..runtime._calls import check_timeout
 from ..wire import Payload
 from . import _hooks
 from ._inline import InlinePolicy
+from ._purity import plain
 
 _perf_counter = time.perf_counter
 _is_grad_enabled = torch.is_grad_enabled
@@ -143,7 +144,8 @@ def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payloa
             return dump_value(worker, value, peer.rank)
 
     # (coroutine functions are neither builtins nor ever learned: never inline here)
-    inline = runs_inline(func, payload.tensors, nbytes) or policy.runs_inline(policy.key(func), nbytes)
+    inline = runs_inline(func, payload.tensors, nbytes) or (
+        policy.runs_inline(policy.key(func), nbytes) and plain(args) and plain(kwargs))
     if inline:  # answer without a task
         with hooks.scope(worker, meta):
             value = _call_inline(policy, func, args, kwargs, nbytes)

@@ -8,7 +8,9 @@ GIL hand-over, several times the cost of a small function itself.
 # Rules
 - torch and ``operator`` builtins on small tensors always run inline (see
   ``runs_inline`` in ``_api``): they cannot block.
-- A plain Python function is *learned*: its runs go to the pool and are timed there.
+- A plain Python function whose code can only compute (``_purity``: it cannot block,
+  so it cannot stall the loop waiting for something only the loop would bring) is
+  *learned*: its runs go to the pool and are timed there. Any other stays there.
   After ``PROMOTE_AFTER`` runs within ``FAST_SECONDS`` (counted since its last slow
   run), later calls run inline. Learning is per *size class* of the call's tensor
   arguments (their total bytes, in powers of two above 64 KiB): a function that is
@@ -47,6 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..runtime._sync import blocking_calls
+from ._purity import cannot_block
 
 PROMOTE_AFTER = 8
 FAST_SECONDS = 200e-6
@@ -79,19 +82,26 @@ class InlinePolicy:
         self._strikes: dict[Learned, int] = {}
         self._inline: set[Learned] = set()
         self._never: set[types.CodeType] = set()
+        self._cannot_block: dict[types.CodeType, bool] = {}  # read once per code object
         self._runs: dict[Learned, int] = {}  # runs so far (pool and inline)
         self._slow_at: dict[Learned, int] = {}  # the run count at its last slow run
         self._struck_at: dict[Learned, int] = {}  # the run count at its last strike
 
-    @staticmethod
-    def key(func: Callable[..., Any]) -> types.CodeType | None:
-        """The code object a function is learned by, or None when it is not learnable."""
+    def key(self, func: Callable[..., Any]) -> types.CodeType | None:
+        """The code object a function is learned by, or None when it is not learnable:
+        not a plain function, one of ours, or one whose code might block (``_purity``)."""
         if type(func) is not _FunctionType:
             return None
         module = func.__module__ or ""
         if module == "actorgrad" or module.startswith("actorgrad."):
             return None
-        return func.__code__
+        code = func.__code__
+        safe = self._cannot_block.get(code)
+        if safe is None:
+            safe = cannot_block(func)
+            if len(self._cannot_block) < _MAX_TRACKED:
+                self._cannot_block[code] = safe
+        return code if safe else None
 
     def runs_inline(self, code: types.CodeType | None, nbytes: int = 0) -> bool:
         return code is not None and (code, size_class(nbytes)) in self._inline

@@ -46,10 +46,11 @@ class RpcOptions:
             trusting the peers' certificates); required when ``ssl_context`` is set.
         autograd_mode: default ``mode`` of distributed backward ("fast" or "smart").
         trace: record RPC and backward events for :func:`actorgrad.export_trace`.
-        inline_functions: let remote Python functions that proved fast (and never
-            blocked) run on the callee's event loop instead of its thread pool, which
-            saves a thread hop per call; a run that turns out slow sends the function
-            back to the pool for good. ``False``: always use the pool.
+        inline_functions: let remote Python functions that proved fast, and whose
+            code can only compute (it cannot block: see ``actorgrad.rpc._purity``), run
+            on the callee's event loop instead of its thread pool, which saves a thread
+            hop per call; a run that turns out slow sends the function back to the
+            pool. ``False``: always use the pool.
         spin_us: after sending or receiving, the loop keeps polling instead of
             sleeping for this many microseconds, so a quick answer is picked up
             without the cost of waking the process. ``0`` turns polling off; a quiet
