@@ -295,12 +295,7 @@ async def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None 
         _check_tensor(tensor, "tensor")
         if g is None:
             return None
-        _check_member(src, g, act, "src")
-        parts: list[torch.Tensor] | None = None
-        if act.worker.rank == src:
-            parts = _check_list(scatter_list, g, tensor, "scatter_list", "the source rank")
-        elif scatter_list:
-            raise ValueError("scatter: scatter_list must be None (or empty) on ranks other than src")
+        parts = _root_list("scatter", act, g, tensor, src, "src", scatter_list, "scatter_list", "the source rank")
     return await _finish(impl.scatter(g, tensor, parts, src), async_op, [tensor])
 
 
@@ -313,12 +308,7 @@ async def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = 
         _check_tensor(tensor, "tensor")
         if g is None:
             return None
-        _check_member(dst, g, act, "dst")
-        out: list[torch.Tensor] | None = None
-        if act.worker.rank == dst:
-            out = _check_list(gather_list, g, tensor, "gather_list", "the destination rank")
-        elif gather_list:
-            raise ValueError("gather: gather_list must be None (or empty) on ranks other than dst")
+        out = _root_list("gather", act, g, tensor, dst, "dst", gather_list, "gather_list", "the destination rank")
     return await _finish(impl.gather(g, tensor, out, dst), async_op, out or [])
 
 
@@ -435,6 +425,17 @@ def _refusal(act: CollectiveActor, g: Group | None, what: str) -> Iterator[None]
         if g is not None and g.backend == "actorgrad" and len(g.ranks) > 1:
             act.refuse(g, f"{what}: {exc}")
         raise
+
+
+def _root_list(what: str, act: CollectiveActor, g: Group, tensor: torch.Tensor, root: Any, root_name: str,
+               items: list[torch.Tensor] | None, list_name: str, role: str) -> list[torch.Tensor] | None:
+    """Check ``root`` and the list that only the root passes; the list, on the root."""
+    _check_member(root, g, act, root_name)
+    if act.worker.rank == root:
+        return _check_list(items, g, tensor, list_name, role)
+    if items:
+        raise ValueError(f"{what}: {list_name} must be None (or empty) on ranks other than {root_name}")
+    return None
 
 
 def _group(act: CollectiveActor, group: Group | None) -> Group:
