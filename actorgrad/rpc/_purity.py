@@ -40,7 +40,9 @@ SAFE_BUILTINS = frozenset(
     )
 )
 _C_MODULES = frozenset({"torch", "torch._C._VariableFunctions", "torch._C._nn", "math", "operator", "_operator"})
-_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.Size, torch.device)
+# exact types: a subclass of int or str may override methods with any code
+_PLAIN = frozenset({int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.Size, torch.device,
+                    torch.Tensor, torch.nn.Parameter})
 _SAFE_TYPES = frozenset({torch.Tensor, torch.Size, torch.dtype})
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType)
 _FORBIDDEN_OPS = frozenset({"IMPORT_NAME", "IMPORT_FROM", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_DEREF",
@@ -62,7 +64,7 @@ def _safe_value(obj: Any) -> bool:
         return obj.__module__ == "torch.nn.functional"
     if isinstance(obj, type):
         return obj in SAFE_BUILTINS or obj in _SAFE_TYPES
-    return isinstance(obj, _PLAIN) or type(obj) in (torch.Tensor, torch.nn.Parameter)
+    return type(obj) in _PLAIN
 
 
 def cannot_block(func: types.FunctionType) -> bool:
@@ -100,7 +102,7 @@ def cannot_block(func: types.FunctionType) -> bool:
 def plain(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` is plain data: calling methods on it cannot reach user code."""
     kind = type(value)
-    if kind is torch.Tensor or kind is torch.nn.Parameter or isinstance(value, _PLAIN):
+    if kind in _PLAIN:
         return True
     if depth < 4 and kind in (tuple, list):
         return all(plain(v, depth + 1) for v in value)

@@ -117,6 +117,12 @@ def test_plain_arguments():
     assert not plain(([mul2add1],))
     assert not plain({1: 2})  # dict keys other than strings: a user object could hide there
 
+    class Text(str):
+        def upper(self) -> str:  # any code at all
+            return "called"
+
+    assert not plain((Text("subclasses may override methods"),))
+
 
 # -- on workers -------------------------------------------------------------------------------
 def on_loop(name: str) -> bool:
