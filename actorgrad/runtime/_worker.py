@@ -392,7 +392,18 @@ class Worker:
         if isinstance(result, BaseException):
             peer.send(Failure(request_id=request_id, payload=error_payload(result)))
         else:
-            peer.send(Result(request_id=request_id, payload=result))
+            self._reply(peer, request_id, result)
+
+    def _reply(self, peer: PeerProtocol, request_id: int, payload: Payload) -> Message:
+        """Send the result of a call; one the connection refuses (larger than
+        max_frame_size) fails the call instead, and the connection stays up."""
+        response: Message = Result(request_id=request_id, payload=payload)
+        try:
+            peer.send(response)
+        except ProtocolError as exc:
+            response = Failure(request_id=request_id, payload=error_payload(exc))
+            peer.send(response)
+        return response
 
     def settle_own_call(self, request_id: int, value: Any) -> bool:
         """Resolve this worker's own outstanding call ``request_id`` with ``value``
@@ -459,7 +470,7 @@ class Worker:
             peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
             return
         if isinstance(reply, Payload):
-            peer.send(Result(request_id=msg.request_id, payload=reply))
+            self._reply(peer, msg.request_id, reply)
         elif reply is not None:
             task = self.loop.create_task(
                 self._finish_call(peer, msg.request_id, reply), context=self._context.copy()
@@ -491,7 +502,10 @@ class Worker:
         except Exception as exc:
             response = Failure(request_id=request_id, payload=error_payload(exc))
         peer.serving.pop(request_id, None)
-        peer.send(response)
+        if isinstance(response, Result):
+            response = self._reply(peer, request_id, response.payload)
+        else:
+            peer.send(response)
         if start:
             self.tracer.complete("run remote function", "rpc", start,
                                  {"from": peer.name, "request": request_id,

@@ -54,6 +54,7 @@ from ._messages import (
 
 _HELLO = struct.Struct(f"<{NONCE_BYTES}sI")
 _TARGET_LEN = struct.Struct("<H")
+_MAX_HEAD = _TARGET_LEN.size + MAX_NAME_BYTES  # what a CALL or TELL adds to its payload
 _AUTH_DOMAIN = b"actorgrad-auth-v1:"
 _HANDSHAKE_MAX_BODY = 4096
 
@@ -184,6 +185,7 @@ class Connection:
         self._nonce = os.urandom(NONCE_BYTES)
         self._peer_nonce = b""
         self._peer_authenticated = False
+        self.max_frame_size = max_frame_size
         self._decoder = FrameDecoder(
             max_frame_size=max_frame_size,
             max_buffers=max_buffers,
@@ -280,9 +282,27 @@ class Connection:
 
     # -- output ------------------------------------------------------------------
     def send(self, msg: Message) -> list[bytes | bytearray | memoryview]:
-        """The bytes of ``msg``; data messages only once ESTABLISHED."""
+        """The bytes of ``msg``; data messages only once ESTABLISHED.
+
+        Raises:
+            ProtocolError: not established, or the frame is larger than
+                ``max_frame_size``: the peer (same limit) would drop the connection
+                instead of receiving it, so the sender refuses it first.
+        """
         if self.state is not State.ESTABLISHED and not isinstance(msg, Goodbye):
             raise ProtocolError(f"cannot send {type(msg).__name__} in state {self.state.value}")
+        payload = getattr(msg, "payload", None)
+        if payload is not None:
+            size = len(payload.body)
+            if payload.buffers:
+                size += sum(b.nbytes for b in payload.buffers)
+            if size > self.max_frame_size - _MAX_HEAD:
+                raise ProtocolError(
+                    f"a {type(msg).__name__.upper()} message of {size} bytes is over "
+                    f"max_frame_size={self.max_frame_size}: the peer would drop the connection "
+                    "rather than receive it (send less per message, or raise "
+                    "RpcOptions.max_frame_size on every worker)"
+                )
         return _encode(msg)
 
     def data_to_send(self) -> list[bytes | bytearray | memoryview]:

@@ -242,3 +242,31 @@ async def test_negative_timeout_is_refused_by_rpc_sync(group2):
         await asyncio.wait_for(
             asyncio.to_thread(ag.rpc_sync, "worker1", square, (2,), None, -1), _LIMIT
         )
+
+
+# --------------------------------------------------------------------------------------
+# a message larger than max_frame_size fails its call, not the connection
+
+
+async def square_on_worker0(i: int) -> int:
+    return await ag.rpc_async("worker0", square, args=(i,))
+
+
+def make_zeros(n: int) -> object:
+    import torch
+
+    return torch.zeros(n)
+
+
+async def test_oversized_argument_and_result_fail_the_call_only(make_group):
+    import torch
+
+    await make_group(2, ag.RpcOptions(max_frame_size=1 << 20))
+    with pytest.raises(ag.ProtocolError, match="CALL message of .* over max_frame_size"):
+        ag.rpc_async("worker1", square, args=(torch.zeros(1 << 19),))  # 2 MiB: refused at once
+    err = await fails_fast(
+        ag.rpc_async("worker1", make_zeros, args=(1 << 19,), timeout=_LIMIT), ag.RemoteError)
+    assert "RESULT message" in str(err) and "max_frame_size" in str(err)
+    # the connection is still up, both ways
+    assert await ag.rpc_async("worker1", square, args=(7,), timeout=_LIMIT) == 49
+    assert await ag.rpc_async("worker1", square_on_worker0, args=(3,), timeout=_LIMIT) == 9
