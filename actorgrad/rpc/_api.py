@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import threading
@@ -107,12 +108,32 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 sending_to: contextvars.ContextVar[int | None] = contextvars.ContextVar("actorgrad_sending_to", default=None)
 
 
-def _dump_to(dst: int, obj: Any) -> Payload:
-    token = sending_to.set(dst)
+# What RRef.__reduce__ registered while a payload is pickled (a fork at the owner): the
+# ways to take it back, should the message not leave after all.
+forks_made: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "actorgrad_forks_made", default=None)
+
+
+def _dump_to(dst: int, obj: Any, undo: list[Callable[[], None]] | None = None) -> Payload:
+    """Pickle ``obj`` for ``dst``; the RRef forks it registers go into ``undo``, and are
+    taken back at once when pickling fails (an unpicklable argument beside an RRef)."""
+    undo = [] if undo is None else undo
+    token, forks_token = sending_to.set(dst), forks_made.set(undo)
     try:
         return Payload.dump(obj)
+    except BaseException:
+        _take_back(undo)
+        raise
     finally:
         sending_to.reset(token)
+        forks_made.reset(forks_token)
+
+
+def _take_back(undo: list[Callable[[], None]]) -> None:
+    for take_back in undo:
+        with contextlib.suppress(Exception):  # best effort: an owner that is gone keeps nothing
+            take_back()
+    undo.clear()
 
 
 def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
@@ -178,10 +199,18 @@ def send_request(
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
-    payload = _dump_to(dst, (*obj_without_meta, meta))
-    hooks.after_send(worker, meta, payload, dst)
+    undo: list[Callable[[], None]] = []
+    payload = _dump_to(dst, (*obj_without_meta, meta), undo)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
-    return dst, worker.call(dst, target, payload, timeout, decode)
+    try:
+        reply = worker.call(dst, target, payload, timeout, decode)
+    except BaseException:
+        _take_back(undo)  # never sent (too big for a frame, the peer gone)
+        raise
+    # recorded once it left: a send that failed must not wait for gradients (the reply
+    # cannot be handled before this returns, it comes through the loop)
+    hooks.after_send(worker, meta, payload, dst)
+    return dst, reply
 
 
 def rpc_async(

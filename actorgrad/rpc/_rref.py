@@ -224,12 +224,18 @@ class RRef(Generic[T]):
             return (_rebuild, (self._owner, self._id, None))
         table = owner_table(worker)
         fork = table.new_id()
-        if self._owner == worker.rank:
+        owner, rref_id = self._owner, self._id
+        if owner == worker.rank:
             assert self._value is not None
-            table.entry_for(self._id, self._value).forks.add(fork)
+            table.entry_for(rref_id, self._value).forks.add(fork)
         else:
-            worker.tell(self._owner, "rref.add_fork", Payload.dump((self._id, fork)))
-        return (_rebuild, (self._owner, self._id, fork))
+            worker.tell(owner, "rref.add_fork", Payload.dump((rref_id, fork)))
+        if (made := _api.forks_made.get()) is not None:  # to take back if it does not leave
+            if owner == worker.rank:
+                made.append(lambda: table.del_fork(rref_id, fork))
+            else:
+                made.append(lambda: worker.tell(owner, "rref.del_fork", Payload.dump((rref_id, fork))))
+        return (_rebuild, (owner, rref_id, fork))
 
 
 def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:

@@ -443,3 +443,25 @@ async def test_rref_sent_to_its_owner_needs_no_fork_message(group3, monkeypatch)
     gc.collect()
     info = await wait_owner_count("worker1", base)
     assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
+
+
+def takes_anything(*args: Any) -> int:
+    return len(args)
+
+
+@pytest.mark.parametrize("owner", ["worker1", "worker0"])
+async def test_fork_taken_back_when_the_call_cannot_be_sent(group3, owner):
+    """An RRef pickled beside an argument that cannot be pickled registered its fork at
+    the owner, and the message never left: the fork must be taken back, so dropping
+    the RRef frees the value (a user RRef, and one this worker owns)."""
+    import threading
+
+    base = (await debug_info(owner))["num_owner_rrefs"]
+    rref = ag.remote(owner, make_tensor, args=(3,)) if owner != "worker0" else ag.RRef(torch.ones(3))
+    await rref.to_here()
+    with pytest.raises(TypeError, match="pickle"):
+        await ag.rpc_async("worker2", takes_anything, args=(rref, threading.Lock()))
+    assert await ag.rpc_async("worker2", takes_anything, args=(rref,)) == 1  # it still travels
+    del rref
+    info = await wait_owner_count(owner, base)
+    assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
