@@ -13,6 +13,11 @@ connection after the ``add_fork``, so the owner's set cannot empty early. A ``de
 that overtakes its ``add_fork`` (they come from different workers) leaves a tombstone
 that cancels the late ``add_fork``. The entry, and with it the value, is dropped when
 the fork set is empty. Owner-side RRef objects hold the value themselves.
+
+A fork is also noted with the worker it went to: when that worker is lost, its RRefs
+are gone with it and the owner drops their forks. A fork registered for a message that
+then never left (the rest of it failed to pickle, the call could not be sent) is taken
+back at once (``_api.forks_made``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class _Entry:
     value: asyncio.Future[Any]
     forks: set[ForkId] = field(default_factory=set)
     tombstones: set[ForkId] = field(default_factory=set)
+    holders: dict[ForkId, int] = field(default_factory=dict)  # fork -> rank it went to
 
 
 class OwnerTable:
@@ -52,6 +58,7 @@ class OwnerTable:
         self.entries: dict[RRefId, _Entry] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        worker.add_lost_listener(self._on_lost)
 
     def new_id(self) -> tuple[int, int]:
         with self._lock:
@@ -63,7 +70,9 @@ class OwnerTable:
             entry = self.entries[rref_id] = _Entry(value)
         return entry
 
-    def add_fork(self, rref_id: RRefId, fork: ForkId) -> None:
+    def add_fork(self, rref_id: RRefId, fork: ForkId, holder: int | None = None) -> None:
+        """Count the fork ``holder`` got (None: not known; it is then kept until that
+        RRef releases it, even if its holder is lost)."""
         entry = self.entries.get(rref_id)
         if entry is None:
             return
@@ -71,6 +80,8 @@ class OwnerTable:
             entry.tombstones.discard(fork)
         else:
             entry.forks.add(fork)
+            if holder is not None:
+                entry.holders[fork] = holder
         self._maybe_free(rref_id, entry)
 
     def del_fork(self, rref_id: RRefId, fork: ForkId) -> None:
@@ -79,9 +90,21 @@ class OwnerTable:
             return
         if fork in entry.forks:
             entry.forks.discard(fork)
+            entry.holders.pop(fork, None)
         else:
             entry.tombstones.add(fork)
         self._maybe_free(rref_id, entry)
+
+    def _on_lost(self, name: str, rank: int, reason: str) -> None:
+        """A worker is gone, and so are the RRefs it held: drop their forks (values
+        nobody else refers to are freed), as if each had been released."""
+        for rref_id, entry in list(self.entries.items()):
+            gone = [fork for fork, holder in entry.holders.items() if holder == rank]
+            for fork in gone:
+                entry.forks.discard(fork)
+                del entry.holders[fork]
+            if gone:
+                self._maybe_free(rref_id, entry)
 
     def _maybe_free(self, rref_id: RRefId, entry: _Entry) -> None:
         if not entry.forks and not entry.tombstones:
@@ -225,11 +248,13 @@ class RRef(Generic[T]):
         table = owner_table(worker)
         fork = table.new_id()
         owner, rref_id = self._owner, self._id
+        holder = _api.sending_to.get()  # where the pickled RRef goes, when known
         if owner == worker.rank:
             assert self._value is not None
-            table.entry_for(rref_id, self._value).forks.add(fork)
+            table.entry_for(rref_id, self._value)
+            table.add_fork(rref_id, fork, holder)
         else:
-            worker.tell(owner, "rref.add_fork", Payload.dump((rref_id, fork)))
+            worker.tell(owner, "rref.add_fork", Payload.dump((rref_id, fork, holder)))
         if (made := _api.forks_made.get()) is not None:  # to take back if it does not leave
             if owner == worker.rank:
                 made.append(lambda: table.del_fork(rref_id, fork))
@@ -337,7 +362,7 @@ def install_handlers(worker: Worker) -> None:
         created_here = entry is not None  # remote() to oneself registered it already
         if entry is None:
             entry = table.entry_for(rref_id, worker.loop.create_future())
-            entry.forks.add(tuple(fork))
+            table.add_fork(rref_id, tuple(fork), peer.rank)  # the caller holds it
         value = entry.value
 
         async def run() -> Payload:
@@ -371,8 +396,8 @@ def install_handlers(worker: Worker) -> None:
         return reply()
 
     def add_fork(peer: Any, payload: Payload) -> None:
-        rref_id, fork = payload.load()
-        table.add_fork(tuple(rref_id), tuple(fork))
+        rref_id, fork, holder = payload.load()
+        table.add_fork(tuple(rref_id), tuple(fork), holder if type(holder) is int else None)
 
     def del_fork(peer: Any, payload: Payload) -> None:
         rref_id, fork = payload.load()

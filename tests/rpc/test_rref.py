@@ -465,3 +465,32 @@ async def test_fork_taken_back_when_the_call_cannot_be_sent(group3, owner):
     del rref
     info = await wait_owner_count(owner, base)
     assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
+
+
+async def test_forks_held_by_a_lost_worker_are_dropped(make_process_group):
+    """worker0 sends RRefs of values it owns to worker2, which keeps them; worker2 dies.
+    Its RRefs are gone with it, so worker0 frees the values (one still held by worker1
+    stays)."""
+    group = await make_process_group(3)
+
+    def keep(*rrefs: Any) -> int:  # runs in worker processes: defined here, sent by value
+        import builtins
+
+        kept = builtins.__dict__.setdefault("_kept_rrefs", [])
+        kept.extend(rrefs)
+        return len(kept)
+
+    base = ag.rref_debug_info()["num_owner_rrefs"]
+    values = [ag.RRef(torch.full((4,), float(i))) for i in range(5)]
+    assert await ag.rpc_async("worker2", keep, args=tuple(values)) == 5
+    assert await ag.rpc_async("worker1", keep, args=(values[0],)) == 1
+    del values
+    gc.collect()
+    assert ag.rref_debug_info() == {"num_owner_rrefs": base + 5, "num_forks": 6}
+    group.kill(2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the loss is noticed when the connection drops
+        if ag.rref_debug_info()["num_owner_rrefs"] == base + 1:
+            break
+        await asyncio.sleep(0.05)
+    assert ag.rref_debug_info() == {"num_owner_rrefs": base + 1, "num_forks": 1}
