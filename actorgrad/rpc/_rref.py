@@ -320,9 +320,13 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
         value = worker.loop.create_future()
         table.entries[rref_id] = _Entry(value)
         fork = None
-    _, reply = _api.send_request(
-        worker, owner, "rref.create", (rref_id, fork, func, tuple(args), dict(kwargs or {})), timeout
-    )
+    try:
+        _, reply = _api.send_request(
+            worker, owner, "rref.create", (rref_id, fork, func, tuple(args), dict(kwargs or {})), timeout
+        )
+    except BaseException:
+        table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it
+        raise
     reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface on use
     return RRef._make(worker, owner, rref_id, fork, value)
 

@@ -494,3 +494,14 @@ async def test_forks_held_by_a_lost_worker_are_dropped(make_process_group):
             break
         await asyncio.sleep(0.05)
     assert ag.rref_debug_info() == {"num_owner_rrefs": base + 1, "num_forks": 1}
+
+
+@pytest.mark.parametrize("owner", ["worker1", "worker0"])
+async def test_remote_that_cannot_be_sent_leaves_nothing(group2, owner):
+    import threading
+
+    base = (await debug_info(owner))["num_owner_rrefs"]
+    with pytest.raises(TypeError, match="pickle"):
+        ag.remote(owner, takes_anything, args=(threading.Lock(),))
+    info = await wait_owner_count(owner, base)
+    assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
