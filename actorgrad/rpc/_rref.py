@@ -48,6 +48,7 @@ class _Entry:
     forks: set[ForkId] = field(default_factory=set)
     tombstones: set[ForkId] = field(default_factory=set)
     holders: dict[ForkId, int] = field(default_factory=dict)  # fork -> rank it went to
+    creating: bool = False  # remote() to oneself: kept, forks or not, until created
 
 
 class OwnerTable:
@@ -107,7 +108,7 @@ class OwnerTable:
                 self._maybe_free(rref_id, entry)
 
     def _maybe_free(self, rref_id: RRefId, entry: _Entry) -> None:
-        if not entry.forks and not entry.tombstones:
+        if not entry.forks and not entry.tombstones and not entry.creating:
             del self.entries[rref_id]
 
     def debug_info(self) -> dict[str, int]:
@@ -318,7 +319,9 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
         # This worker owns the result: the RRef holds the value future itself (no fork),
         # and the create handler below finds this entry and resolves it.
         value = worker.loop.create_future()
-        table.entries[rref_id] = _Entry(value)
+        # the create handler below resolves this entry's value: a fork of it released
+        # meanwhile (or taken back) must not free the entry first
+        table.entries[rref_id] = _Entry(value, creating=True)
         fork = None
     try:
         _, reply = _api.send_request(
@@ -379,6 +382,7 @@ def install_handlers(worker: Worker) -> None:
                 raise
             finally:
                 if created_here and table.entries.get(rref_id) is entry:
+                    entry.creating = False
                     table._maybe_free(rref_id, entry)  # the local RRef holds the value
             value.set_result(result)
             return Payload.dump(None)

@@ -505,3 +505,16 @@ async def test_remote_that_cannot_be_sent_leaves_nothing(group2, owner):
         ag.remote(owner, takes_anything, args=(threading.Lock(),))
     info = await wait_owner_count(owner, base)
     assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
+
+
+
+async def test_own_remote_value_survives_a_fork_taken_back_before_it_is_created(group2):
+    """remote() to oneself, then at once a call that pickles its RRef (a fork of the
+    entry the creation will fill) and fails: taking the fork back must not free that
+    entry, or the value would be made into a new one and never reach this RRef."""
+    import threading
+
+    rref = ag.remote("worker0", make_tensor, args=(3,))
+    with pytest.raises(TypeError, match="pickle"):
+        ag.rpc_async("worker1", takes_anything, args=(rref, threading.Lock()))
+    assert torch.equal(await rref.to_here(timeout=10), torch.arange(3.0))
