@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import torch
 
 from ..runtime import PeerRef, Worker, get_worker, run_sync
-from ..runtime._calls import check_timeout
 from ..wire import Payload
 from . import _hooks
 from ._inline import InlinePolicy
@@ -195,7 +194,6 @@ def send_request(
 
     The future resolves with the reply payload, or with the value the callee sent
     with :func:`dump_value` when ``decode_value`` is set."""
-    check_timeout(timeout)  # before autograd records a send that would never happen
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
@@ -275,7 +273,6 @@ def remote(
 
     if not callable(func):
         raise TypeError(f"remote func must be callable, got {type(func).__name__}")
-    check_timeout(timeout)  # before a self-owned RRef registers its value
     worker = get_worker()
     if not _on_loop(worker):
         return run_sync(worker, lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout)))
