@@ -52,7 +52,7 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -84,6 +84,8 @@ _RECV_NODE = RecvRpcBackward._backward_cls
 # torch.autograd.grad minus its argument checks (and their first-use imports): our
 # gradients always match their outputs.
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
@@ -218,21 +220,10 @@ class EngineActor:
         try:
             outcome = self._traverse(peer, msg, ctx)
         except Exception as exc:
-            if ctx.released:
-                raise self._released(ctx) from exc
-            raise
-        if isinstance(outcome, Payload):
-            return outcome
-
-        async def run() -> Payload:
-            try:
-                return await outcome
-            except Exception as exc:
-                if ctx.released:
-                    raise self._released(ctx) from exc
+            if (error := self._failed(ctx, exc)) is exc:
                 raise
-
-        return run()
+            raise error from exc
+        return outcome if isinstance(outcome, Payload) else self._guarded(ctx, outcome)
 
     def _traverse(self, peer: Any, msg: Traverse, ctx: DistContext) -> Payload | Awaitable[Payload]:
         entry = self._send_entry(ctx, msg.message_id)
@@ -275,19 +266,15 @@ class EngineActor:
         try:
             outcome = self._serve(msg, owed)
         except Exception as exc:
-            if ctx.released:
-                raise self._released(ctx) from exc
-            raise
+            if (error := self._failed(ctx, exc)) is exc:
+                raise
+            raise error from exc
         if outcome is None or isinstance(outcome, BackwardReport):
             return None if outcome is None else outcome.dump()
+        guarded = self._guarded(ctx, outcome)
 
         async def reply() -> Payload | None:
-            try:
-                report = await outcome
-            except Exception as exc:
-                if ctx.released:
-                    raise self._released(ctx) from exc
-                raise
+            report = await guarded
             return None if report is None else report.dump()  # None: answered elsewhere
 
         return reply()
@@ -302,6 +289,19 @@ class EngineActor:
         error.__cause__ = cause
         return error
 
+    def _failed(self, ctx: DistContext | None, exc: Exception) -> Exception:
+        """``exc``, or the ContextError of :meth:`_released` when ``ctx`` went meanwhile."""
+        return self._released(ctx, exc) if ctx is not None and ctx.released else exc
+
+    async def _guarded(self, ctx: DistContext | None, outcome: Awaitable[T]) -> T:
+        """``outcome``, failing as :meth:`_failed` says."""
+        try:
+            return await outcome
+        except Exception as exc:
+            if (error := self._failed(ctx, exc)) is exc:
+                raise
+            raise error from exc
+
     def on_delegated_propagate(self, peer: Any, payload: Payload) -> None:
         """A PROPAGATE_GRADS tell that carries the duty to answer someone's call."""
         msg = PropagateGrads.load(payload)
@@ -312,7 +312,7 @@ class EngineActor:
         try:
             outcome = self._serve(msg, msg.reply)
         except Exception as exc:
-            self._answer(caller, request_id, self._released(ctx, exc) if ctx is not None and ctx.released else exc)
+            self._answer(caller, request_id, self._failed(ctx, exc))
             return
         if outcome is None:
             return
@@ -322,12 +322,12 @@ class EngineActor:
 
         async def answer_when_done() -> None:
             try:
-                report = await outcome
+                report = await self._guarded(ctx, outcome)
                 if report is None:
                     return  # passed along again
                 result: BackwardReport | BaseException = report
             except Exception as exc:
-                result = self._released(ctx, exc) if ctx is not None and ctx.released else exc
+                result = exc
             self._answer(caller, request_id, result)
 
         self.worker.spawn(answer_when_done())
@@ -890,9 +890,9 @@ async def backward(
         await engine.plan(ctx, task, roots)
         report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
     except Exception as exc:
-        if ctx.released:
-            raise engine._released(ctx) from exc
-        raise
+        if (error := engine._failed(ctx, exc)) is exc:
+            raise
+        raise error from exc
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)
     if ctx.released:  # its entries went mid-pass: what was planned from them is partial
