@@ -60,6 +60,12 @@ class StoreServer:
                 await writer.drain()
         except (ValueError, KeyError, TypeError, ConnectionError, asyncio.LimitOverrunError):
             pass  # a malformed or vanished client: drop it, keep serving the others
+        except asyncio.CancelledError:
+            # The loop is going away (asyncio.run cancels what is left when the program
+            # raised before shutdown). Nothing awaits this task, and Python 3.11's stream
+            # callback asks a cancelled task for its exception, which logs a traceback of
+            # ours on top of the user's: end quietly instead.
+            pass
         finally:
             self._clients.discard(writer)
             writer.close()

@@ -657,3 +657,25 @@ def test_rendezvous_port_is_outside_the_ephemeral_range():
         with socket.socket() as s:  # free, and bindable as the store will bind it
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+def test_program_that_raises_before_shutdown_shows_only_its_own_error(tmp_path):
+    """asyncio.run cancels the rendezvous server's client handlers when the program's main
+    raises without shutting down; none of them may log a traceback of ours on top of the
+    user's (Python 3.11's stream callback does so for a handler that ends cancelled)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import asyncio, actorgrad as ag\n"
+        "async def main():\n"
+        f"    await ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}')\n"
+        "    raise RuntimeError('the user error')\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "RuntimeError: the user error" in proc.stderr
+    assert "Exception in callback" not in proc.stderr, proc.stderr
+    assert "CancelledError" not in proc.stderr, proc.stderr
