@@ -15,16 +15,21 @@
   gradients count as zeros); then every all-reduce is awaited and the averages are
   written into ``.grad``.
 * ``find_unused_parameters=True``: at forward time the output's autograd graph is
-  walked; parameters it does not reach are marked ready (zero) up front, and one more
-  small all-reduce of a "used" mask tells which parameters no rank used (their
-  ``.grad`` is left alone, as torch does).
+  walked; parameters it does not reach are marked ready (zero) up front, and the status
+  all-reduce below tells which parameters no rank used (their ``.grad`` is left alone,
+  as torch does).
 * A gradient hook that fires for a parameter already marked ready in this backward
   (used outside forward, e.g. in the loss, so the graph walk missed it; or reused across
   reentrant backward passes) cannot be reduced any more: its bucket already went out.
   torch raises "Expected to mark a variable ready only once"; so do we, naming the
-  parameter. The flag rides on the "used" mask all-reduce, so with
-  ``find_unused_parameters`` every rank raises instead of one rank leaving the others
-  with diverged replicas (or waiting for it in the next collective).
+  parameter, on every rank (the flag rides on the status all-reduce below).
+* Every backward ends with one small all-reduce of a status vector: per parameter
+  "used" (``find_unused_parameters``), "came late" and "missing" counts, and the number
+  of ranks whose local backward raised. A rank whose backward raised still launches its
+  buckets (zeros) and joins that all-reduce and the buffer broadcast, so the ranks stay
+  in step; then every rank raises when anything went wrong on any rank, instead of one
+  rank raising while the others step on an average that holds its zeros (torch's other
+  ranks hang in that case).
 * Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
   synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
   ``backward`` (which is the same data: nothing changes buffers in between) and in
@@ -291,26 +296,32 @@ class DistributedDataParallel(nn.Module):
         complete are all-reduced on the loop. Inside :meth:`no_sync` only the local
         backward runs (gradients accumulate locally).
 
+        Every rank issues the same collectives whatever happens locally, and all of
+        them raise when any rank's step went wrong (the gradients would not be a true
+        average): the rank where it happened raises its own error, the others a
+        RuntimeError that says so.
+
         Raises:
-            RuntimeError: some parameters got no gradient and ``find_unused_parameters``
-                is off (their buckets were still reduced, with zeros, on this rank); or a
-                parameter's gradient came after it was marked ready (used outside
-                forward, or reused in reentrant backward passes). With
-                ``find_unused_parameters`` the latter is raised on every rank.
+            RuntimeError: some parameters got no gradient on some rank and
+                ``find_unused_parameters`` is off (their buckets were reduced with
+                zeros); a parameter's gradient came after it was marked ready (used
+                outside forward, or reused in reentrant backward passes); or the local
+                backward raised on another rank.
+            Exception: whatever the local ``loss.backward()`` raised on this rank.
             CollectiveError: the all-reduce failed (a rank is gone, ...).
         """
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         if not self.require_backward_grad_sync:
-            await self._worker.run_blocking(lambda: loss.backward(gradient, retain_graph))
+            await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
             return
+        n = len(self._params)
         unused = set(self._unused)
-        used = [i not in unused for i in range(len(self._params))]
-        missing: list[int] = []
+        local_error: Exception | None = None
         self._prepare()
         try:
             try:
-                await self._worker.run_blocking(lambda: loss.backward(gradient, retain_graph))
+                await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
+            except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
+                local_error = exc
             finally:
                 missing = [i for i, ready in enumerate(self._ready) if not ready]
                 for i in missing:  # keep the collectives of all ranks in step
@@ -318,19 +329,23 @@ class DistributedDataParallel(nn.Module):
                     self._ready[i] = True
                     self._buckets[self._where[i][0]].pending -= 1
                 self._launch_ready()
-            await asyncio.gather(*(b.future for b in self._buckets if b.future is not None))
-            global_used: list[bool] | None = None
+            # One small all-reduce tells every rank what went wrong anywhere, so that all
+            # of them raise instead of one rank raising and the others stepping with
+            # gradients averaged against its zeros: [used by] + [came late on] +
+            # [missing on] per parameter, then the number of ranks whose backward raised.
             late = set(self._late)
-            late_ranks = [1 if i in late else 0 for i in range(len(self._params))]
-            if self.find_unused_parameters:
-                # "used" flags, then "came late" flags: the same one all-reduce tells every
-                # rank about a late gradient anywhere, so all of them raise below
-                n = len(self._params)
-                mask = torch.tensor([1.0 if u else 0.0 for u in used] + [float(x) for x in late_ranks])
-                await C.all_reduce(mask, group=self.group)
-                counts = mask.tolist()
-                global_used = [bool(v > 0) for v in counts[:n]]
-                late_ranks = [round(v) for v in counts[n:]]
+            failed = local_error is not None
+            status = torch.tensor(
+                [0.0 if i in unused else 1.0 for i in range(n)]
+                + [1.0 if i in late else 0.0 for i in range(n)]
+                + [0.0 if failed else 1.0 if i in missing else 0.0 for i in range(n)]
+                + [1.0 if failed else 0.0]
+            )
+            status_done = start_all_reduce(status, C.ReduceOp.SUM, self.group)
+            await asyncio.gather(*(b.future for b in self._buckets if b.future is not None), status_done)
+            counts = [round(v) for v in status.tolist()]
+            global_used = [k > 0 for k in counts[:n]] if self.find_unused_parameters else None
+            late_ranks, missing_ranks, failed_ranks = counts[n : 2 * n], counts[2 * n : 3 * n], counts[3 * n]
         finally:
             self._active = False
         self._write_grads(global_used)
@@ -339,21 +354,28 @@ class DistributedDataParallel(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 await self._broadcast(buffers)
+        if local_error is not None:
+            raise local_error
+        if failed_ranks:
+            raise RuntimeError(
+                f"the local backward raised on {failed_ranks} other rank(s) (see their error); "
+                "this step's gradients were averaged with zeros for them: do not step on them"
+            )
         if any(late_ranks):
             raise RuntimeError(self._late_message(late_ranks))
-        if missing and not self.find_unused_parameters:
-            names = ", ".join(self._names[i] for i in missing[:8])
+        if any(missing_ranks) and not self.find_unused_parameters:
+            names = ", ".join(
+                f"{self._names[i]} (on {k} rank(s))" for i, k in enumerate(missing_ranks) if k
+            )
             raise RuntimeError(
-                f"{len(missing)} parameter(s) received no gradient in this backward ({names}); "
-                "the other ranks waited for them. If some parameters are legitimately not "
-                "used in some iterations, create the wrapper with find_unused_parameters=True"
+                f"{sum(1 for k in missing_ranks if k)} parameter(s) received no gradient in this "
+                f"backward: {names}; the other ranks reduced zeros for them. If some "
+                "parameters are legitimately not used in some iterations, create the wrapper "
+                "with find_unused_parameters=True"
             )
 
     def _late_message(self, late_ranks: list[int]) -> str:
-        if self.find_unused_parameters:
-            names = ", ".join(f"{self._names[i]!r} (on {k} rank(s))" for i, k in enumerate(late_ranks) if k)
-        else:
-            names = ", ".join(f"{self._names[i]!r} (on this rank)" for i, k in enumerate(late_ranks) if k)
+        names = ", ".join(f"{self._names[i]!r} (on {k} rank(s))" for i, k in enumerate(late_ranks) if k)
         # Only find_unused_parameters marks a parameter ready before its hook runs; a
         # second hook call otherwise means a second accumulation (reentrant backward).
         outside = (
@@ -416,6 +438,12 @@ class DistributedDataParallel(nn.Module):
     def bucket_sizes(self) -> list[int]:
         """Number of parameters in each bucket, in bucket order."""
         return [len(b.params) for b in self._buckets]
+
+
+def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_graph: bool | None) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+    loss.backward(gradient, retain_graph)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

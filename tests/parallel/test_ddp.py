@@ -144,6 +144,63 @@ async def test_unused_parameter_without_the_flag_raises_instead_of_hanging(make_
     assert all(isinstance(r, RuntimeError) and "find_unused_parameters" in str(r) for r in results)
 
 
+class Optional(Branchy):
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+async def test_unused_parameter_on_one_rank_raises_on_every_rank(make_group: Any) -> None:
+    # rank 0 leaves `b` without a gradient; rank 1 has all of its own, but the average it
+    # got holds rank 0's zeros for `b`: it must not step on it either
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        torch.manual_seed(0)
+        ddp = await DDP.create(Optional(), bucket_cap_mb=1e-4)
+        await ddp.backward(ddp(X[:4], rank == 1).sum())
+
+    results = await run_settled(group, body)
+    for r in results:
+        assert isinstance(r, RuntimeError), r
+        assert "b.weight (on 1 rank(s))" in str(r) and "find_unused_parameters" in str(r), r
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+async def test_local_backward_error_on_one_rank_fails_every_rank_and_keeps_them_in_step(
+        make_group: Any, find_unused: bool) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a hook of rank 1 failed")
+
+    async def body(rank: int) -> tuple[str, list[torch.Tensor]]:
+        model = mlp(0)
+        ddp = await DDP.create(model, bucket_cap_mb=0.0008, find_unused_parameters=find_unused)
+        shard = slice(4 * rank, 4 * rank + 4)
+        out = ddp(X[shard])
+        if rank == 1:
+            out.register_hook(boom)
+        try:
+            await ddp.backward(nn.functional.mse_loss(out, Y[shard]))
+            failure = "none"
+        except (ValueError, RuntimeError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        # the ranks are still in step: the next backward averages correctly
+        model.zero_grad()
+        await ddp.backward(nn.functional.mse_loss(ddp(X[shard]), Y[shard]))
+        return failure, [p.grad.clone() for p in model.parameters()]
+
+    (fail0, grads0), (fail1, grads1) = await run_all(group, body)
+    assert fail1 == "ValueError: a hook of rank 1 failed"
+    assert fail0.startswith("RuntimeError: the local backward raised on 1 other rank"), fail0
+    reference = mlp(0)
+    nn.functional.mse_loss(reference(X), Y).backward()  # the mean over both shards
+    for g0, g1, p in zip(grads0, grads1, reference.parameters(), strict=True):
+        assert torch.equal(g0, g1)
+        assert_close(g0, p.grad)
+
+
 class Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
