@@ -9,13 +9,13 @@ It starts ``nproc`` copies of ``sys.executable train.py --lr 0.1``, each with
 the environment variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``ACTORGRAD_AUTH_KEY``
 and ``PYTHONUNBUFFERED=1``.  Every output line of rank ``r`` is echoed with a
-``[rank r] `` prefix.  If any rank fails, or the launcher receives SIGINT or
-SIGTERM, every rank's process group is signalled, given a grace period, and
+``[rank r] `` prefix.  If any rank fails, or the launcher receives SIGINT,
+SIGTERM, SIGHUP or SIGQUIT, every rank's process group is signalled, given a grace period, and
 then killed; the launcher always waits for all of its children before it
 returns.
 
-This module deliberately avoids importing torch so that ``actorgrad --help``
-and the launcher itself start quickly.
+This module uses the standard library only; the package's ``__init__`` still
+imports torch before it runs, which is most of the launcher's start-up time.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 class _SignalState:
-    """Records SIGINT/SIGTERM received by the launcher (handlers only set flags)."""
+    """Records the signals received by the launcher (handlers only set flags)."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -453,7 +453,10 @@ def launch(
     signals = _SignalState()
     previous: dict[int, _SignalHandler] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: the terminal closed or the ssh session dropped. The ranks run in
+        # sessions of their own, so the hangup does not reach them: without a handler
+        # the launcher would die and leave them orphaned.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             previous[sig] = signal.signal(sig, signals.handler)
 
     ranks: list[_Rank] = []
@@ -474,7 +477,8 @@ def launch(
             if signals.received:
                 signum = signals.received[0]
                 out.message(f"received {signal.Signals(signum).name}; stopping all {nproc} ranks")
-                _shutdown(ranks, signum, signals)
+                # the ranks see Ctrl-C as KeyboardInterrupt; anything else as SIGTERM
+                _shutdown(ranks, signum if signum == signal.SIGINT else signal.SIGTERM, signals)
                 exit_code = 128 + signum
                 break
             failed = next(

@@ -242,6 +242,21 @@ def test_sigint_stops_all_ranks(tmp_path: Path) -> None:
         _assert_all_dead(pids)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT], ids=lambda s: signal.Signals(s).name)
+def test_hangup_and_termination_stop_all_ranks(tmp_path: Path, signum: int) -> None:
+    # SIGHUP is what a closed terminal or a dropped ssh session sends: the ranks run in
+    # their own sessions, so only the launcher gets it and must pass the stop on
+    args = ["launch", "--nproc", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path), "--spawn-child-rank", "1"]
+    with _launcher(args, pid_dir=tmp_path) as proc:
+        _wait_for_pid_files(tmp_path, ["rank0.pid", "rank1.pid", "grandchild.pid"])
+        pids = _read_pids(tmp_path)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 128 + signum, (out, err)
+        assert f"received {signal.Signals(signum).name}" in err
+        _assert_all_dead(pids)
+
+
 def test_master_port_in_use_exits_2() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
