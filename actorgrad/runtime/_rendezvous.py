@@ -44,11 +44,13 @@ class StoreServer:
             while line := await reader.readline():
                 request = json.loads(line)
                 op, key = request["op"], str(request["key"])
-                if op == "set":
+                if op == "set" or (op == "claim" and key not in self._data):
                     self._data[key] = str(request["value"])
                     self._changed.set()
                     self._changed = asyncio.Event()
                     reply: dict[str, Any] = {"ok": True}
+                elif op == "claim":  # taken: say by what
+                    reply = {"ok": False, "value": self._data[key]}
                 elif op == "wait_prefix":
                     count = int(request["count"])
                     while len(items := self._items(key)) < count:
@@ -113,6 +115,11 @@ class TcpStore:
     async def set(self, key: str, value: str) -> None:
         await self._request({"op": "set", "key": key, "value": value})
 
+    async def claim(self, key: str, value: str) -> str | None:
+        """Set ``key`` unless it is set already; then return the value it holds."""
+        reply = await self._request({"op": "claim", "key": key, "value": value})
+        return None if reply.get("ok") else str(reply.get("value"))
+
     async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
         reply = await self._request({"op": "wait_prefix", "key": prefix, "count": count})
         items: dict[str, str] = reply["items"]
@@ -142,11 +149,23 @@ class FileStore:
         return data
 
     async def set(self, key: str, value: str) -> None:
+        self._append(key, value, once=False)
+
+    async def claim(self, key: str, value: str) -> str | None:
+        """Set ``key`` unless it is set already; then return the value it holds."""
+        return self._append(key, value, once=True)
+
+    def _append(self, key: str, value: str, once: bool) -> str | None:
         with open(self.path, "a") as f:  # noqa: ASYNC230 - a line appended under flock
             fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(json.dumps({"key": key, "value": value}) + "\n")
-            f.flush()
-            fcntl.flock(f, fcntl.LOCK_UN)
+            try:
+                if once and (held := self._read().get(key)) is not None:
+                    return held
+                f.write(json.dumps({"key": key, "value": value}) + "\n")
+                f.flush()
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return None
 
     async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
         while True:

@@ -234,7 +234,12 @@ class Worker:
             me: dict[str, Any] = {"name": self.name, "host": advertise, "port": listen_port}
             if local is not None:
                 me["local"] = [local[1], _local.host_identity()]
-            await self._store.set(f"worker/{self.rank}", json.dumps(me))
+            held = await self._store.claim(f"worker/{self.rank}", json.dumps(me))
+            if held is not None:
+                raise ValueError(
+                    f"rank {self.rank} is already taken in this group (by worker "
+                    f"{_entry_name(held)!r}); every worker needs a rank of its own"
+                )
             entries = await self._until(deadline, self._store.wait_prefix("worker/", self.world_size), "all workers to join the rendezvous")
             addresses: dict[int, tuple[str, int]] = {}
             local_addresses: dict[int, Any] = {}
@@ -754,6 +759,14 @@ class Worker:
                     closer()
                 except Exception:
                     log.exception("%s: closing %s failed", self.name, name)
+
+
+def _entry_name(entry: str) -> str:
+    """The worker name in a roster entry, for messages."""
+    try:
+        return str(json.loads(entry)["name"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
 
 
 __all__ = ["AuthenticationError", "Worker", "describe_error", "error_payload"]

@@ -273,6 +273,26 @@ async def test_duplicate_worker_names(spawn):
         assert not isinstance(result, TimeoutError), result
 
 
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+async def test_duplicate_rank_is_refused_and_the_group_forms_without_it(tmp_path, spawn, scheme):
+    method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 's'}"
+    options = ag.RpcOptions(init_timeout=5)
+    specs = [
+        {"name": name, "rank": rank, "world_size": 2, "init_method": method, "options": options}
+        for name, rank in (("w0", 0), ("alice", 1), ("bob", 1))
+    ]
+    start = time.monotonic()
+    results = await spawn(specs, timeout=10)
+    assert time.monotonic() - start < 8
+    # whichever of the two rank-1 workers claimed it second is refused, naming the first
+    refused = [r for r in results[1:] if isinstance(r, ValueError)]
+    joined = [r for r in results[1:] if isinstance(r, ag.runtime.Worker)]
+    assert len(refused) == 1 and len(joined) == 1, results
+    assert "rank 1 is already taken" in str(refused[0]) and repr(joined[0].name) in str(refused[0])
+    assert isinstance(results[0], ag.runtime.Worker), results[0]
+    await _check_group([results[0], joined[0]], ["w0", joined[0].name])
+
+
 async def test_duplicate_name_on_same_loop(group2):
     with pytest.raises(ag.ActorgradError, match="worker0"):
         await ag.init_rpc(
