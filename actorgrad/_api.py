@@ -102,11 +102,12 @@ class trace:  # noqa: N801 - used as `with ag.trace():`
     """
 
     def __enter__(self) -> trace:
+        self._was_enabled = get_worker().tracer.enabled  # nested blocks, RpcOptions(trace=True)
         self._set(True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._set(False)
+        self._set(self._was_enabled)
 
     def _set(self, enabled: bool) -> None:
         import contextlib

@@ -526,7 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "launch":
         if args.trace:
-            os.environ["ACTORGRAD_TRACE"] = os.path.abspath(args.trace)
+            trace_path = os.path.abspath(args.trace)
+            if not os.path.isdir(os.path.dirname(trace_path)):  # say so now, not after the run
+                print(f"actorgrad launch: --trace {args.trace}: the directory "
+                      f"{os.path.dirname(trace_path)} does not exist", file=sys.stderr)
+                return 2
+            os.environ["ACTORGRAD_TRACE"] = trace_path
         return launch(
             script=args.script,
             script_args=list(args.script_args),

@@ -55,10 +55,12 @@ class Tracer:
             if len(self.events) < MAX_EVENTS:
                 self.events.append(event)
 
-    def take(self) -> list[dict[str, Any]]:
-        """This worker's events plus the metadata naming its process."""
+    def snapshot(self) -> list[dict[str, Any]]:
+        """This worker's events so far plus the metadata naming its process. The events
+        stay recorded: every export writes all of them (a user's export does not empty
+        the one ``actorgrad launch --trace`` writes at the end)."""
         with self._lock:
-            events, self.events = self.events, []
+            events = list(self.events)
         meta = {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                 "args": {"name": f"{self.name} (rank {self.rank})"}}
         return [meta, *events]

@@ -153,7 +153,7 @@ class Worker:
         self.register("runtime.done", self._on_peer_done)
         self.register("runtime.ping", lambda peer, payload: Payload.dump(None))
         self.register("trace.set", self._on_trace_set)
-        self.register("trace.collect", lambda peer, payload: Payload.dump(self.tracer.take()))
+        self.register("trace.collect", lambda peer, payload: Payload.dump(self.tracer.snapshot()))
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -674,12 +674,12 @@ class Worker:
     # -- observability --------------------------------------------------------------
     async def export_trace(self, path: str) -> int:
         """Merge every reachable worker's events into one Chrome-trace JSON at ``path``."""
-        events = list(self.tracer.take())
-        replies = [self.call(rank, "trace.collect", Payload.dump(None)) for rank in list(self.peers)]
-        for reply in await asyncio.gather(*replies, return_exceptions=True):
-            if not isinstance(reply, BaseException):
-                events.extend(reply.load())
-        with open(path, "w") as f:  # noqa: ASYNC230 - one write at the end of a run
+        with open(path, "w") as f:  # noqa: ASYNC230 - opened first: a bad path fails at once
+            events = self.tracer.snapshot()
+            replies = [self.call(rank, "trace.collect", Payload.dump(None)) for rank in list(self.peers)]
+            for reply in await asyncio.gather(*replies, return_exceptions=True):
+                if not isinstance(reply, BaseException):
+                    events.extend(reply.load())
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
         return len(events)
 

@@ -257,6 +257,14 @@ def test_hangup_and_termination_stop_all_ranks(tmp_path: Path, signum: int) -> N
         _assert_all_dead(pids)
 
 
+def test_trace_into_a_missing_directory_exits_2_before_any_rank_runs(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "trace.json"
+    code, out, err = _run(["launch", "--nproc", "2", "--trace", str(target), str(SCRIPTS / "echo_argv.py")])
+    assert code == 2
+    assert "--trace" in err and "does not exist" in err
+    assert "[rank" not in out + err
+
+
 def test_master_port_in_use_exits_2() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

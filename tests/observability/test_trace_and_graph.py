@@ -73,3 +73,36 @@ async def test_graph_joins_send_and_recv_across_workers(group2) -> None:  # type
     assert sorted(n["deps"] for n in leaves) == [1, 2]
     dot = graph.to_dot()
     assert dot.startswith("digraph") and dot.count("subgraph") == 2 and "style=dashed" in dot
+
+
+def _calls(path) -> int:  # type: ignore[no-untyped-def]
+    events = json.loads(path.read_text())["traceEvents"]
+    return sum(1 for e in events if e["pid"] == 0 and e["name"] == "call rpc.call")
+
+
+async def test_nested_trace_blocks_keep_the_outer_one_recording(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with ag.trace():
+        with ag.trace():
+            await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+        await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), 2))  # still inside the outer
+    await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))  # after both: not recorded
+    await ag.export_trace(str(tmp_path / "t.json"))
+    assert _calls(tmp_path / "t.json") == 2
+
+
+async def test_export_to_a_bad_path_loses_nothing_and_exports_repeat(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with ag.trace():
+        for i in range(3):
+            await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), i))
+    try:
+        await ag.export_trace(str(tmp_path / "missing" / "t.json"))
+    except FileNotFoundError:
+        pass
+    else:
+        raise AssertionError("a path in a missing directory was accepted")
+    await ag.export_trace(str(tmp_path / "a.json"))
+    await ag.export_trace(str(tmp_path / "b.json"))  # e.g. the one `launch --trace` writes last
+    assert _calls(tmp_path / "a.json") == _calls(tmp_path / "b.json") == 3
+    served = [e for e in json.loads((tmp_path / "b.json").read_text())["traceEvents"]
+              if e["pid"] == 1 and e["name"] == "serve rpc.call"]
+    assert len(served) == 3
