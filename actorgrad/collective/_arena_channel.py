@@ -65,6 +65,12 @@ class _GroupArena:
         self.decided: asyncio.Future[None] = loop.create_future()  # second one ended here
         self.queue: deque[ArenaAllReduce] = deque()  # running, in order
         self.sleeping = False
+        # Operations waiting for a gate (``_after``) whose start has not run yet. While
+        # there are any, a new operation waits behind them even if its gate is open:
+        # the gate's callbacks run a loop turn after it opens, and an operation started
+        # in between would take its place in the queue ahead of older ones; a later
+        # operation that shares their slot (seq % SLOTS) then waits for them forever.
+        self.starting = 0
 
 
 class ArenaChannel:
@@ -106,12 +112,12 @@ class ArenaChannel:
         if k == 0:
             return self._offer(st, seq, sig, work, op, after)
         if k == 1:
-            if st.offered.done():
+            if st.offered.done() and not st.starting:
                 return self._confirm(st, seq, sig, work, op, after)
-            return self._after(st.offered, group.id, seq, lambda: self._confirm(st, seq, sig, work, op, after))
-        if st.decided.done():
+            return self._after(st, st.offered, seq, lambda: self._confirm(st, seq, sig, work, op, after))
+        if st.decided.done() and not st.starting:
             return self._start(st, seq, sig, work, op, after)
-        return self._after(st.decided, group.id, seq, lambda: self._start(st, seq, sig, work, op, after))
+        return self._after(st, st.decided, seq, lambda: self._start(st, seq, sig, work, op, after))
 
     def _start(self, st: _GroupArena, seq: int, sig: Sig, work: torch.Tensor, op: ReduceOp,
                after: Callable[[], None] | None) -> asyncio.Future[Any]:
@@ -174,16 +180,19 @@ class ArenaChannel:
                 st.arena = None
         st.decided.set_result(None)
 
-    def _after(self, gate: asyncio.Future[None], gid: int, seq: int,
+    def _after(self, st: _GroupArena, gate: asyncio.Future[None], seq: int,
                start: Any) -> asyncio.Future[Any]:
-        """Start the operation (gid, seq) when ``gate`` is resolved; its messages wait
-        in the mailbox until then."""
+        """Start the operation ``seq`` of the group when ``gate`` is resolved, after the
+        ones deferred before it (callbacks run in the order they were added); its
+        messages wait in the mailbox until then."""
         outer: asyncio.Future[Any] = self.loop.create_future()
-        key = (gid, seq)
+        key = (st.group.id, seq)
         self.actor.deferred.add(key)
+        st.starting += 1
 
         def go(_: asyncio.Future[None]) -> None:
             self.actor.deferred.discard(key)
+            st.starting -= 1
             inner: asyncio.Future[Any] = start()
             if inner.done():
                 _copy(inner, outer)

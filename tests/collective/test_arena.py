@@ -18,6 +18,7 @@ import actorgrad.collective as C
 from actorgrad import CollectiveError
 from actorgrad.collective import ReduceOp, _arena
 from actorgrad.collective._actor import actor
+from actorgrad.collective._api import start_all_reduce
 from actorgrad.collective._arena import SLOTS, Arena
 from actorgrad.testing import InProcessGroup
 
@@ -139,6 +140,31 @@ async def test_more_operations_in_flight_than_slots_and_two_groups(make_group: A
         assert pair_vals == [float(sum(r + k for r in mates)) for k in range(3 * SLOTS)]
         assert pair_active
     assert all(actor(w).arenas.active(0) for w in group.workers)
+
+
+async def test_an_operation_started_as_the_negotiation_ends_waits_behind_older_ones(make_group: Any) -> None:
+    # Operations started during the negotiation wait for its answer; an operation
+    # started right when the answer comes (here: from a callback that runs first, as
+    # DDP's last all-reduce can) must not overtake them: one that did took the arena
+    # slot of an older one (seq % SLOTS) and both ranks waited for each other forever.
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> list[float]:
+        ts = [torch.tensor([float(rank + 10 * k)]) for k in range(SLOTS + 3)]
+        futures = [start_all_reduce(ts[0]), start_all_reduce(ts[1])]  # the negotiation
+        state = actor().arenas._groups[0]
+        last: list[asyncio.Future[Any]] = []
+        if rank == 1:  # only here: the ranks' queues then differ
+            state.decided.add_done_callback(lambda _: last.append(start_all_reduce(ts[-1])))
+        futures += [start_all_reduce(t) for t in ts[2:-1]]  # deferred until it ends
+        await asyncio.wait_for(asyncio.gather(*futures), 10)
+        if rank == 0:
+            last.append(start_all_reduce(ts[-1]))
+        await asyncio.wait_for(last[0], 10)
+        return [t.item() for t in ts]
+
+    for values in await run_all(group, body):
+        assert values == [float(1 + 20 * k) for k in range(SLOTS + 3)]
 
 
 async def test_a_member_without_the_arena_keeps_everyone_on_the_connections(make_group: Any) -> None:
