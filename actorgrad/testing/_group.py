@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,11 +34,27 @@ def free_port(host: str = "127.0.0.1") -> int:
     return pick_rendezvous_port(host)
 
 
+async def follow_leader(worker: Worker, leader_alive: Callable[[], bool] = lambda: True) -> None:
+    """Serve until worker0 starts its shutdown (or is gone), then shut ``worker`` down
+    with the group: ``await ag.shutdown()`` on worker0 ends the whole group, as it does
+    in torch when every worker calls it. ``leader_alive`` is polled every second."""
+    while 0 in worker.peers and 0 not in worker._done_from and not worker.shutting_down:
+        worker._done_changed.clear()
+        try:
+            await asyncio.wait_for(worker._done_changed.wait(), 1.0)
+        except TimeoutError:
+            if not leader_alive():
+                break
+    if not worker.shutting_down and not worker.closed:
+        await worker.shutdown(graceful=0 in worker.peers)
+
+
 class InProcessGroup:
     """``n`` workers on this event loop; the calling code acts as ``workers[0]``."""
 
     def __init__(self, workers: list[Worker]) -> None:
         self.workers = workers
+        self.followers: list[asyncio.Task[None]] = []  # workers 1.. leave when worker0 does
 
     def run_as(self, rank: int, fn: Callable[..., Awaitable[T]], *args: Any) -> asyncio.Task[T]:
         """Run ``fn(*args)`` as worker ``rank`` (in that worker's context)."""
@@ -47,7 +64,8 @@ class InProcessGroup:
 
     async def shutdown(self, graceful: bool = True) -> None:
         await asyncio.gather(
-            *(self.run_as(w.rank, _shutdown_one, w, graceful) for w in self.workers if not w.closed),
+            *(self.run_as(w.rank, _shutdown_one, w, graceful) for w in self.workers if not w.shutting_down),
+            *self.followers,
             return_exceptions=True,
         )
         _current.set_default(None)
@@ -78,6 +96,7 @@ async def start_in_process(world_size: int = 2, options: RpcOptions | None = Non
     workers = [ctx.get(_current.current_worker) for ctx in contexts]
     assert all(w is not None for w in workers)
     group = InProcessGroup(workers)  # type: ignore[arg-type]
+    group.followers = [group.run_as(r, follow_leader, group.workers[r]) for r in range(1, world_size)]
     _current.set_default(group.workers[0])
     _current.current_worker.set(group.workers[0])
     return group
@@ -119,6 +138,8 @@ class LocalGroup:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if all(proc.returncode == 0 for proc in self.processes):  # keep the logs of failures
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
 
 async def local_group(
@@ -146,14 +167,42 @@ async def local_group(
         ))
         log.close()
     group = LocalGroup(processes, logdir)
+    # init_rpc runs in this task (it sets this context's worker); a watcher cancels it
+    # when a worker process exits before the group formed, instead of letting it wait
+    # for the whole init_timeout for a worker that will never join.
+    this_task = asyncio.current_task()
+    dead: list[int] = []
+    watcher = asyncio.ensure_future(_watch_start(processes, this_task, dead))
     try:
         await init_rpc("worker0", rank=0, world_size=world_size,
                        init_method=f"tcp://127.0.0.1:{port}", options=options)
-    except BaseException:
+    except BaseException as exc:
         for proc in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if dead and isinstance(exc, asyncio.CancelledError) and this_task is not None:
+            this_task.uncancel()
+            rank = dead[0]
+            tail = "\n".join(group.logs(rank).splitlines()[-15:])
+            raise RuntimeError(
+                f"local_group: worker{rank}'s process exited with code "
+                f"{processes[rank - 1].returncode} before the group formed; the end of its "
+                f"log ({os.path.join(logdir, f'worker{rank}.log')}):\n{tail}"
+            ) from None
         raise
+    finally:
+        watcher.cancel()
     _current.set_default(_current.current_worker.get())
     return group
+
+
+async def _watch_start(processes: list[subprocess.Popen[bytes]], starter: asyncio.Task[Any] | None,
+                       dead: list[int]) -> None:
+    while starter is not None:
+        for rank, proc in enumerate(processes, start=1):
+            if proc.poll() is not None:
+                dead.append(rank)
+                starter.cancel()
+                return
+        await asyncio.sleep(0.1)

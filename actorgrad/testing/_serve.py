@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
@@ -15,19 +14,16 @@ import actorgrad as ag
 async def serve(rank: int, world_size: int, init_method: str, parent: int) -> None:
     await ag.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, init_method=init_method)
     from ..runtime import get_worker
+    from ._group import follow_leader
 
-    worker = get_worker()
-    # Serve until worker0 starts its shutdown (or vanishes), then leave with the group.
-    while 0 in worker.peers and 0 not in worker._done_from:
-        worker._done_changed.clear()
+    def parent_alive() -> bool:
         try:
-            await asyncio.wait_for(worker._done_changed.wait(), 1.0)
-        except TimeoutError:
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                break
-    await ag.shutdown(graceful=0 in worker.peers)
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    await follow_leader(get_worker(), parent_alive)
 
 
 def main() -> None:

@@ -36,6 +36,18 @@ async def test_autograd_in_group(actorgrad_group):
         b = await ag.rpc_async("worker1", torch.mul, args=(a, 2.0))
         await ag.autograd.backward(cid, [b.sum()])
         assert torch.equal(ag.autograd.get_gradients(cid)[a], torch.full((3,), 2.0))
+
+{mark}
+@pytest.mark.world_size(3)
+async def test_body_ends_with_shutdown(actorgrad_group):
+    # as torch RPC tests end with rpc.shutdown(): the other workers leave with worker0
+    # (a graceful shutdown waits for them: a minute-long wait means they did not follow)
+    import time
+    await ag.rpc_async("worker1", max, args=(1, 2))
+    start = time.monotonic()
+    await ag.shutdown()
+    assert time.monotonic() - start < 10
+    assert all(w.closed for w in actorgrad_group.workers)
 '''
 
 
@@ -48,7 +60,7 @@ def test_plugin_fixture_in_both_asyncio_modes(pytester: pytest.Pytester, mode: s
         "-p", "no:cacheprovider", "-o", f"asyncio_mode={mode}",
         "-o", "asyncio_default_fixture_loop_scope=function", "-q",
     )
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=4, failed=1)
     result.stdout.fnmatch_lines(["*AssertionError: boom*"])
     # every group was shut down: no worker is left running in the test process
     assert "Task was destroyed" not in result.stdout.str()
@@ -67,3 +79,23 @@ async def test_separate_process(actorgrad_process_group):
 ''')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "asyncio_mode=auto", "-q")
     result.assert_outcomes(passed=1)
+
+
+async def test_local_group_reports_a_worker_that_dies_at_start(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # e.g. a notebook that put actorgrad on sys.path by hand: the worker process cannot
+    # import it. The error must come when the process exits, not after init_timeout,
+    # and show why.
+    import time
+
+    import actorgrad as ag
+    from actorgrad.testing import local_group
+
+    shadow = tmp_path / "actorgrad"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('this actorgrad cannot be imported')\n")
+    monkeypatch.chdir(tmp_path)  # `python -m` puts the working directory first on sys.path
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker1's process exited") as info:
+        await local_group(2, options=ag.RpcOptions(init_timeout=60), env={"PYTHONPATH": str(tmp_path)})
+    assert time.monotonic() - start < 30
+    assert "this actorgrad cannot be imported" in str(info.value)
