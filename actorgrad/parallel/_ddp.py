@@ -89,6 +89,12 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        for name, sub in module.named_modules():
+            if getattr(sub, "sparse", False) is True and isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
+                raise ValueError(
+                    f"{name or 'the module'} ({type(sub).__name__}) makes sparse gradients, which "
+                    "this DistributedDataParallel does not average: build it with sparse=False"
+                )
         self.module = module
         self.group = group
         self.find_unused_parameters = find_unused_parameters
@@ -112,6 +118,7 @@ class DistributedDataParallel(nn.Module):
         self._claimed = [False] * len(self._params)
         self._late: list[int] = []
         self._unused: list[int] = []  # from the last forward (find_unused_parameters)
+        self._used_unsynced: set[int] = set()  # got a gradient inside no_sync() since the last sync
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
         ]
@@ -232,6 +239,8 @@ class DistributedDataParallel(nn.Module):
             if not self._active:
                 if self.require_backward_grad_sync:
                     self._stray = True
+                else:  # inside no_sync(): the next synced backward counts it as used here
+                    self._used_unsynced.add(i)
                 return
             if self._claimed[i]:
                 # Its slot is (or may be) in flight already: copying now would race the
@@ -243,6 +252,11 @@ class DistributedDataParallel(nn.Module):
             b, offset, n = self._where[i]
             grad = p.grad
             if grad is not None:
+                if grad.is_sparse:  # fails this backward on every rank (see backward())
+                    raise RuntimeError(
+                        f"parameter {self._names[i]!r} got a sparse gradient, which this "
+                        "DistributedDataParallel does not average; make it dense"
+                    )
                 self._buckets[b].buffer[offset : offset + n].copy_(grad.detach().reshape(-1))
             self._loop.call_soon_threadsafe(self._mark_ready, i)
 
@@ -281,7 +295,12 @@ class DistributedDataParallel(nn.Module):
         self._active = True
         for i in self._unused:
             self._claimed[i] = True  # set before the backward thread starts: it sees it
-            self._zero_slot(i)
+            grad = self._params[i].grad
+            if grad is None:
+                self._zero_slot(i)
+            else:  # accumulated earlier (no zero_grad, or no_sync()): it counts, as in torch
+                b, offset, n = self._where[i]
+                self._buckets[b].buffer[offset : offset + n].copy_(grad.detach().reshape(-1))
             self._mark_ready(i)
 
     def _zero_slot(self, i: int) -> None:
@@ -314,7 +333,8 @@ class DistributedDataParallel(nn.Module):
             await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
             return
         n = len(self._params)
-        unused = set(self._unused)
+        unused = set(self._unused) - self._used_unsynced  # used in a no_sync() pass: used
+        self._used_unsynced = set()
         local_error: Exception | None = None
         self._prepare()
         try:
@@ -407,7 +427,7 @@ class DistributedDataParallel(nn.Module):
                     continue
                 p = self._params[i]
                 avg = buffer[offset : offset + n].view_as(p)
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)

@@ -132,6 +132,56 @@ async def test_find_unused_parameters(make_group: Any, b_users: tuple[int, ...])
             assert_close(results[r][name], want, msg=name)
 
 
+# (use_b per rank in step 0, in step 1, whether step 0 runs inside no_sync())
+ACCUMULATION = {
+    "swapped_branches": (((True, False), (False, True)), False),
+    "no_sync_then_sync": (((True, False), (False, False)), True),
+}
+
+
+@pytest.mark.parametrize("scenario", list(ACCUMULATION))
+async def test_find_unused_accumulates_like_torch(make_group: Any, scenario: str) -> None:
+    # Two backwards into the same .grad (no zero_grad between, or gradient accumulation
+    # with no_sync): a parameter this rank did not use in the last forward still holds
+    # the gradient of an earlier one, which counts (torch reduces the .grad it has, and
+    # a parameter used in a no_sync pass is used). The oracle: every rank's local
+    # accumulated gradients, averaged.
+    group: InProcessGroup = await make_group(2)
+    uses, first_unsynced = ACCUMULATION[scenario]
+
+    def shard(rank: int, step: int) -> slice:
+        return slice(4 * rank + 2 * step, 4 * rank + 2 * step + 2)
+
+    def local_grads(rank: int) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        m = Branchy()
+        for step in range(2):
+            nn.functional.mse_loss(m(X[shard(rank, step)], uses[step][rank]), Y[shard(rank, step)]).backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    async def body(rank: int) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        model = Branchy()
+        ddp = await DDP.create(model, bucket_cap_mb=1e-4, find_unused_parameters=True)
+        for step in range(2):
+            loss = nn.functional.mse_loss(ddp(X[shard(rank, step)], uses[step][rank]), Y[shard(rank, step)])
+            if step == 0 and first_unsynced:
+                with ddp.no_sync():
+                    await ddp.backward(loss)
+            else:
+                await ddp.backward(loss)
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    results = await run_all(group, body)
+    local = [local_grads(r) for r in range(2)]
+    for name in results[0]:
+        parts = [g[name] for g in local]
+        assert any(p is not None for p in parts), name  # every parameter was used somewhere
+        want = sum(p for p in parts if p is not None) / 2
+        for r in range(2):
+            assert_close(results[r][name], want, msg=f"rank {r} {name}")
+
+
 async def test_unused_parameter_without_the_flag_raises_instead_of_hanging(make_group: Any) -> None:
     group: InProcessGroup = await make_group(2)
 
@@ -309,6 +359,23 @@ async def test_plain_loss_backward_is_reported(make_group: Any) -> None:
             ddp(X)
 
     await run_all(group, body)
+
+
+async def test_sparse_gradients_are_refused_clearly(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        with pytest.raises(ValueError, match="sparse=False"):
+            await DDP.create(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+        # a sparse gradient from elsewhere (here: a hook) fails the step on every rank
+        model = nn.Linear(4, 2)
+        ddp = await DDP.create(model)
+        model.weight.register_hook(lambda g: g.to_sparse())
+        await ddp.backward(ddp(torch.ones(3, 4)).sum())
+
+    results = await run_settled(group, body)
+    for r in results:
+        assert isinstance(r, RuntimeError) and "sparse" in str(r), r
 
 
 async def test_constructor_needs_create() -> None:
