@@ -183,6 +183,12 @@ class CollectiveActor:
                 op.check()
             except Exception as exc:
                 op.fail(CollectiveError(f"{op.what()}: {exc}"), exc)
+                # this rank will not do its part: the others learn it now instead of
+                # waiting for it until their deadline
+                text = f"{type(exc).__name__}: {exc}".encode()
+                for r in op.members:
+                    if r != self.worker.rank:
+                        _ops.send_fail(self.worker, r, op.gid, op.seq, text)
         return op.future
 
     def _spin(self, op: Op, until: float) -> None:
@@ -573,13 +579,28 @@ def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable
     """A contiguous CPU tensor to work on, and the write-back into ``t`` if it is a copy."""
     d = t.detach()
     if not copy and d.is_cpu and d.is_contiguous():
+        dense = _dense_strides(d.shape)
+        if d.stride() != dense:
+            # contiguous, with odd strides in dimensions of size 1 (x[1::2] of a 3-long x):
+            # the same memory under the strides that flat and byte views need
+            d = d.as_strided(d.shape, dense)
         return d, None
-    work = d.to("cpu", copy=True).contiguous()
+    work = torch.empty(d.shape, dtype=d.dtype)  # dense strides (a copy keeps odd ones)
+    work.copy_(d)
 
     def writeback() -> None:
         d.copy_(work)
 
     return work, writeback
+
+
+def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def setup(worker: Worker) -> None:

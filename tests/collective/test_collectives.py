@@ -75,6 +75,46 @@ async def test_all_reduce_non_contiguous_and_scalar(world4: InProcessGroup) -> N
         assert scalar.item() == 6.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+async def test_one_element_views_with_odd_strides(world4: InProcessGroup, dtype: torch.dtype) -> None:
+    # x[1::2] of a 3-long x: one element, stride 2; torch calls it contiguous. Only that
+    # element may change, on every path (bfloat16 has no numpy type: byte views).
+    def view(rank: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        base = torch.full((3,), -7.0, dtype=dtype)
+        v = base[1::2]
+        v.fill_(rank + 10 * k)
+        return base, v
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        bases = []
+        base, v = view(rank, 1)
+        await C.all_reduce(v)
+        bases.append(base)
+        base, v = view(rank, 2)
+        await C.broadcast(v, src=3)
+        bases.append(base)
+        base, v = view(rank, 3)
+        await C.reduce(v, dst=2)
+        bases.append(base)
+        base, v = view(rank, 4)
+        if rank == 0:
+            await C.send(v, dst=1)
+        elif rank == 1:
+            await C.recv(v, src=0)
+        bases.append(base)
+        return bases
+
+    results = await run_all(world4, body)
+    for rank, bases in enumerate(results):
+        middle = [b[1].item() for b in bases]
+        assert middle[0] == sum(r + 10 for r in range(N))
+        assert middle[1] == 3 + 20
+        assert middle[2] == (sum(r + 30 for r in range(N)) if rank == 2 else rank + 30)
+        assert middle[3] == (0 + 40 if rank in (0, 1) else rank + 40)
+        for b in bases:
+            assert b[0].item() == b[2].item() == -7.0  # nothing written outside the view
+
+
 async def test_zero_element_all_reduce_first_and_later(world4: InProcessGroup) -> None:
     """A no-op, as in torch: first on the group (before the shared-memory arena is
     negotiated: the plain message path) and again later, then a real one."""

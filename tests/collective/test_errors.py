@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import pytest
@@ -123,6 +124,36 @@ async def test_deadline(make_group: object) -> None:
 
 async def _set_timeout(rank: int) -> None:
     await C.init_process_group(timeout=0.3)
+
+
+async def test_a_local_failure_inside_a_collective_fails_the_others_at_once(
+        make_group: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an unexpected error while rank 0 starts its part (a bug, a memory error, ...):
+    # the others must not wait for rank 0 until their deadline
+    from actorgrad.collective import _ops
+
+    original = _ops.ChainBroadcast.start
+
+    def start(self: Any) -> None:
+        if self.rank == 0:
+            raise MemoryError("no room for the chunk")
+        original(self)
+
+    monkeypatch.setattr(_ops.ChainBroadcast, "start", start)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def body(rank: int) -> str:
+        await C.init_process_group(timeout=30)
+        with pytest.raises(CollectiveError) as info:
+            await C.broadcast(torch.zeros(1 << 18), src=0)
+        return str(info.value)
+
+    start_time = asyncio.get_running_loop().time()
+    messages = await run_all(group, body)
+    assert asyncio.get_running_loop().time() - start_time < 10
+    assert "no room for the chunk" in messages[0]
+    for text in messages[1:]:
+        assert "failed on rank 0" in text and "MemoryError: no room for the chunk" in text
 
 
 async def test_group_still_works_after_a_failed_collective(make_group: object) -> None:
