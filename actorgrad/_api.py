@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import numbers
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -37,6 +38,9 @@ async def init_rpc(
     from ._errors import ActorgradError
     from .runtime._rendezvous import parse_init_method
 
+    _check_init_args(name, rank, world_size, init_method, options)
+    rank = None if rank is None else int(rank)  # numpy ints too
+    world_size = None if world_size is None else int(world_size)
     options = options or RpcOptions()
     _, _, _, rank, world_size = parse_init_method(init_method, rank, world_size)
     if any(not w.closed and w.loop is asyncio.get_running_loop() and w.name == name
@@ -53,6 +57,20 @@ async def init_rpc(
     gc.collect()
     gc.freeze()
     return worker.info
+
+
+def _check_init_args(name: object, rank: object, world_size: object, init_method: object,
+                     options: object) -> None:
+    """Name the argument of the wrong type, as torch's init_rpc does."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    for arg, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{arg} must be an int or None, got {type(value).__name__} {value!r}")
+    if init_method is not None and not isinstance(init_method, str):
+        raise TypeError(f"init_method must be a str such as 'tcp://HOST:PORT', got {type(init_method).__name__}")
+    if options is not None and not isinstance(options, RpcOptions):
+        raise TypeError(f"options must be an actorgrad.RpcOptions, got {type(options).__name__}")
 
 
 async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:

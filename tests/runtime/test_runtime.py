@@ -308,6 +308,17 @@ async def test_rank_out_of_range_at_init(rank, world_size):
         )
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [({"name": 5}, "name"), ({"rank": "0"}, "rank"), ({"rank": 0.0}, "rank"), ({"world_size": "1"}, "world_size"),
+     ({"init_method": 123}, "init_method"), ({"options": {"rpc_timeout": 1}}, "options")],
+)
+async def test_init_rpc_names_the_argument_of_the_wrong_type(kwargs, named):
+    args = {"name": "w", "rank": 0, "world_size": 1, "init_method": f"tcp://127.0.0.1:{free_port()}", **kwargs}
+    with pytest.raises(TypeError, match=f"^{named} must be"):
+        await ag.init_rpc(**args)
+
+
 async def test_unsupported_init_method():
     with pytest.raises(ValueError):
         await ag.init_rpc("bad", rank=0, world_size=1, init_method="udp://127.0.0.1:1")
