@@ -89,8 +89,10 @@ def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
 def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future[T]]) -> T:
     if type(loop).__module__.startswith("uvloop"):
         raise RuntimeError(
-            "a blocking *_sync call was made on the worker's own uvloop event loop, which "
-            "cannot be re-entered; use the async form (`await actorgrad.rpc_async(...)`)"
+            "a blocking *_sync call was made inside a coroutine on the worker's uvloop event "
+            "loop, which cannot be re-entered: use the async form (`await "
+            "actorgrad.rpc_async(...)`, `await rref.rpc_async().method()`); on an asyncio "
+            "loop (asyncio.run, Jupyter) blocking calls re-enter it through nest_asyncio"
         )
     import nest_asyncio
 

@@ -708,3 +708,28 @@ def test_program_that_raises_before_shutdown_shows_only_its_own_error(tmp_path):
     assert "RuntimeError: the user error" in proc.stderr
     assert "Exception in callback" not in proc.stderr, proc.stderr
     assert "CancelledError" not in proc.stderr, proc.stderr
+
+
+def test_blocking_call_inside_a_coroutine_on_uvloop_says_to_await(tmp_path):
+    """uvloop cannot be re-entered: rpc_sync inside a coroutine under ag.run must fail at
+    once with a message that names the way out, not hang or fail obscurely."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sync_in_coroutine.py"
+    script.write_text(
+        "import actorgrad as ag\n"
+        "async def main():\n"
+        f"    await ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}')\n"
+        "    try:\n"
+        "        ag.rpc_sync('w0', max, args=(1, 2))\n"
+        "    except RuntimeError as exc:\n"
+        "        print('REFUSED', exc)\n"
+        "    print('ASYNC', await ag.rpc_async('w0', max, args=(1, 2)))\n"
+        "    await ag.shutdown()\n"
+        "ag.run(main())\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED" in proc.stdout and "uvloop" in proc.stdout and "await" in proc.stdout
+    assert "ASYNC 2" in proc.stdout
