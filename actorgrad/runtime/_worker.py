@@ -635,7 +635,11 @@ class Worker:
             return
         del self.peers[proto.rank]
         name = proto.name or f"rank {proto.rank}"
-        if proto.leaving or self.shutting_down:
+        # A peer that said goodbye, or that told us it is done while we shut down, or
+        # that we are closing on: an orderly end. One that vanished without either while
+        # we were shutting down crashed, and is reported like any other loss.
+        orderly = proto.leaving or self.closed or (self.shutting_down and proto.rank in self._done_from)
+        if orderly:
             reason = f"{reason} (worker shut down)"
         error = WorkerLost(name, reason)
         for request_id in list(proto.outstanding):
@@ -645,7 +649,7 @@ class Worker:
             task.cancel()
         proto.serving.clear()
         self._done_changed.set()
-        if not (proto.leaving or self.shutting_down):
+        if not orderly:
             log.warning("%s: lost worker %s: %s", self.name, name, reason)
         for listener in list(self._lost_listeners):
             try:

@@ -574,6 +574,25 @@ async def test_killed_worker_raises_worker_lost(make_process_group, auth_env):
     assert time.monotonic() - start < 5
 
 
+async def test_worker_killed_while_we_shut_down_is_reported_as_lost(make_process_group, auth_env, caplog):
+    group = await start_process_group(make_process_group, 2)
+
+    def remote_sleep(seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+    pending = ag.rpc_async("worker1", remote_sleep, args=(30,), timeout=0)
+    await asyncio.sleep(0.3)
+    asyncio.get_running_loop().call_later(0.5, group.kill, 1)  # while the graceful shutdown waits
+    with caplog.at_level("WARNING", logger="actorgrad"):
+        await asyncio.wait_for(ag.shutdown(), 20)
+    with pytest.raises(ag.WorkerLost) as info:
+        await pending
+    assert "shut down" not in str(info.value)  # it crashed: it did not leave
+    assert any("lost worker worker1" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.slow
 async def test_killing_one_worker_leaves_the_others_serving(make_process_group, auth_env):
     group = await start_process_group(make_process_group, 3)
