@@ -30,7 +30,13 @@ class StoreServer:
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._serve, host, port, limit=_MAX_LINE)
 
-    async def close(self) -> None:
+    async def close(self, linger: float = 0.0) -> None:
+        """Stop serving. ``linger``: first wait up to that long for the clients to hang
+        up (after a start-up error every worker can see, so that they read their last
+        answers and fail with the same error instead of a closed connection)."""
+        deadline = time.monotonic() + linger
+        while self._clients and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
+            await asyncio.sleep(0.02)
         if self._server is not None:
             self._server.close()
             for writer in list(self._clients):

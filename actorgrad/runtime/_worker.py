@@ -261,8 +261,10 @@ class Worker:
             await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect")
             await self._store.set(f"ready/{self.rank}", "1")
             await self._until(deadline, self._store.wait_prefix("ready/", self.world_size), "every worker to be ready")
-        except BaseException:
-            await self._close_everything()
+        except BaseException as exc:
+            # a wrong set-up (duplicate names, ...) is seen by every worker once it read
+            # the roster: the rendezvous host waits a moment for them to read it
+            await self._close_everything(store_linger=2.0 if isinstance(exc, ValueError) else 0.0)
             raise
         if isinstance(self._store, FileStore):
             await self._store.set(f"left/{self.rank}", "1")
@@ -729,7 +731,7 @@ class Worker:
                                 self.name, ", ".join(missing), limit)
         await self._close_everything()
 
-    async def _close_everything(self) -> None:
+    async def _close_everything(self, store_linger: float = 0.0) -> None:
         self.closed = True
         _current.unregister(self)
         if self._heartbeat_task is not None:
@@ -750,7 +752,7 @@ class Worker:
         if self._store is not None:
             await self._store.close()
         if self._store_server is not None:
-            await self._store_server.close()
+            await self._store_server.close(linger=store_linger)
         if isinstance(self._store, FileStore) and self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self._store.path)
