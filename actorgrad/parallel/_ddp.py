@@ -15,7 +15,8 @@
   gradients count as zeros); then every all-reduce is awaited and the averages are
   written into ``.grad``.
 * ``find_unused_parameters=True``: at forward time the output's autograd graph is
-  walked; parameters it does not reach are marked ready (zero) up front, and the status
+  walked; parameters it does not reach are marked ready up front with the gradient they
+  hold already (an earlier backward, a ``no_sync()`` pass) or zero, and the status
   all-reduce below tells which parameters no rank used (their ``.grad`` is left alone,
   as torch does).
 * A gradient hook that fires for a parameter already marked ready in this backward
@@ -249,7 +250,6 @@ class DistributedDataParallel(nn.Module):
                 self._late.append(i)
                 return
             self._claimed[i] = True
-            b, offset, n = self._where[i]
             grad = p.grad
             if grad is not None:
                 if grad.is_sparse:  # fails this backward on every rank (see backward())
@@ -257,7 +257,7 @@ class DistributedDataParallel(nn.Module):
                         f"parameter {self._names[i]!r} got a sparse gradient, which this "
                         "DistributedDataParallel does not average; make it dense"
                     )
-                self._buckets[b].buffer[offset : offset + n].copy_(grad.detach().reshape(-1))
+                self._fill_slot(i, grad)
             self._loop.call_soon_threadsafe(self._mark_ready, i)
 
         return hook
@@ -296,12 +296,15 @@ class DistributedDataParallel(nn.Module):
         for i in self._unused:
             self._claimed[i] = True  # set before the backward thread starts: it sees it
             grad = self._params[i].grad
-            if grad is None:
+            if grad is None or grad.is_sparse:
                 self._zero_slot(i)
             else:  # accumulated earlier (no zero_grad, or no_sync()): it counts, as in torch
-                b, offset, n = self._where[i]
-                self._buckets[b].buffer[offset : offset + n].copy_(grad.detach().reshape(-1))
+                self._fill_slot(i, grad)
             self._mark_ready(i)
+
+    def _fill_slot(self, i: int, grad: torch.Tensor) -> None:
+        b, offset, n = self._where[i]
+        self._buckets[b].buffer[offset : offset + n].copy_(grad.detach().reshape(-1))
 
     def _zero_slot(self, i: int) -> None:
         b, offset, n = self._where[i]
