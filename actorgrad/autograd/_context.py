@@ -31,6 +31,7 @@ from ..rpc import NO_SCOPE, CallHooks
 from ..runtime import Worker, get_worker
 from ..wire import Payload
 from ._messages import ReleaseContext, is_broadcast
+from ._plan import recv_anchors
 
 ID_BITS = 48  # ids are (minting worker's rank << ID_BITS) | counter
 _RELEASED_MEMORY = 100_000  # ids of released contexts remembered, to ignore late messages
@@ -153,6 +154,7 @@ def _as_recv_output(received: torch.Tensor) -> torch.Tensor:
     if type(received) is not torch.Tensor or not received.is_leaf:
         return received  # parameters stay leaves: optimizers update them in place
     anchor = received.detach().requires_grad_()
+    recv_anchors[id(anchor)] = anchor
     received.requires_grad_(False)
     apply = RecvRpcBackward.apply if _functorch_active() else _apply_recv
     if _grad_enabled():

@@ -81,11 +81,26 @@ _INLINE_PLAN_NODES = 256
 _INLINE_JOB_NODES = 32
 _INLINE_JOB_BYTES = 1 << 20
 _RECV_NODE = RecvRpcBackward._backward_cls
+# node type -> whether it runs user Python (a custom autograd.Function's backward: it
+# may take any time, or make a blocking call into the worker, so never on the loop)
+_RUNS_PYTHON: dict[type, bool] = {_RECV_NODE: False}
 # torch.autograd.grad minus its argument checks (and their first-use imports): our
 # gradients always match their outputs.
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
 
 T = TypeVar("T")
+
+
+def _runs_python(region: Sequence[Any]) -> bool:
+    """Whether a job's nodes include a custom autograd.Function (other than our recv)."""
+    for node in region:
+        kind = type(node)
+        runs = _RUNS_PYTHON.get(kind)
+        if runs is None:
+            runs = _RUNS_PYTHON[kind] = issubclass(kind, torch.autograd.function.BackwardCFunction)
+        if runs:
+            return True
+    return False
 
 
 @dataclass(slots=True, eq=False)
@@ -480,7 +495,7 @@ class EngineActor:
                     return _run_backward(*call)
 
         small = len(region) <= _INLINE_JOB_NODES and sum(
-            g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES
+            g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES and not _runs_python(region)
         return Job(compute, small)
 
     def _deliver(

@@ -31,12 +31,15 @@ passes above run only when that walk meets a node a second start reaches.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .._errors import ContextError
 
 _suppressed = threading.local()
 
@@ -169,6 +172,11 @@ def make_plan(
     return plan
 
 
+# Every recv leaf ("anchor") ever made, weakly: one that a context does not know came
+# from another context (or a released one), and its gradient cannot go back from here.
+recv_anchors: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # by id
+
+
 def _deliver_to_leaf(
     variable: torch.Tensor, keys: Iterable[Hashable], feeds: dict[Hashable, Feeds],
     recv_of_leaf: dict[int, tuple[int, int]], recv_sources: dict[int, set[Hashable]],
@@ -176,6 +184,12 @@ def _deliver_to_leaf(
     """The jobs of ``keys`` deliver to the leaf ``variable``: a user leaf, or a recv
     leaf whose entry then waits for those jobs' shares."""
     where = recv_of_leaf.get(id(variable))
+    if where is None and recv_anchors.get(id(variable)) is variable:
+        raise ContextError(
+            "the graph being differentiated reaches a tensor received by an RPC of another "
+            "distributed autograd context (or of one already left): its gradient cannot "
+            "travel back through this one; compute the roots from this context's RPCs"
+        )
     for key in keys:
         if where is None:
             feeds[key].leaves.append(variable)

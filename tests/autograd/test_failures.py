@@ -317,6 +317,37 @@ async def test_loop_responsive_while_planning_a_graph_of_many_nodes(group2):
     assert stall < 0.5, f"the event loop stalled for {stall:.2f}s during the backward"
 
 
+async def test_loop_responsive_while_a_small_custom_backward_runs(group2):
+    # a tiny job, but a custom Function's backward is user Python of any length (here
+    # 1 s): on the event loop it would stall the worker (heartbeats, other peers)
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", slow_backward_fn(1.0), args=(x,))
+        stop = asyncio.Event()
+        monitor = asyncio.ensure_future(_max_loop_stall(stop))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 30)
+        stop.set()
+        stall = await monitor
+        grads = ag.autograd.get_gradients(context_id)
+    assert_grads(grads, [(x, torch.full_like(x, 2.0))])
+    assert stall < 0.5, f"the event loop stalled for {stall:.2f}s during the backward"
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_roots_reaching_a_tensor_of_another_context_raise(group2, mode):
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as outer:
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))
+        async with ag.autograd.context() as inner:
+            with pytest.raises(ag.ContextError, match="another distributed autograd context"):
+                await ag.autograd.backward(inner, [y.sum()], mode=mode)
+            assert ag.autograd.get_gradients(inner) == {}  # nothing leaked into it
+        await ag.autograd.backward(outer, [y.sum()], mode=mode)  # its own context is fine
+        assert_grads(ag.autograd.get_gradients(outer), [(x, torch.full_like(x, 2.0))])
+    await wait_released(["worker0", "worker1"])
+
+
 @pytest.mark.slow
 async def test_deep_graph_released_without_crashing_the_worker(make_process_group):
     group = await make_process_group(2)
