@@ -17,6 +17,7 @@ number of calls still pending).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from ._transport import PeerProtocol
 
 _REBUILD_SLACK = 1024  # stale heap entries tolerated beyond twice the pending calls
+_ABANDONED_MAX = 4096  # calls given up on whose late replies are still unpickled
 
 
 def check_timeout(timeout: float | None) -> None:
@@ -75,6 +77,10 @@ class PendingCalls:
         self._deadlines: list[tuple[float, int, float]] = []  # (when, request id, limit)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        # Calls that timed out or were cancelled, oldest first. A reply that comes for
+        # one anyway is still unpickled and dropped: an RRef in it registered a fork at
+        # its owner, which only dropping the unpickled RRef gives back.
+        self._abandoned: dict[int, None] = {}
 
     def __len__(self) -> int:
         return len(self.futures)
@@ -105,6 +111,10 @@ class PendingCalls:
         """The reply arrived: set the decoded value (or the decoding error)."""
         future = self.pop(request_id)
         if future is None or future.done():
+            if future is None and request_id in self._abandoned:
+                del self._abandoned[request_id]
+                with contextlib.suppress(Exception):  # nobody waits for this value any more
+                    payload.load()  # dropped at once: RRefs in it release their forks
             return
         decode = future.decode
         if decode is None:
@@ -121,10 +131,19 @@ class PendingCalls:
         future = self.pop(request_id)
         if future is not None and not future.done():
             future.set_exception(error)
+        elif future is None:
+            self._abandoned.pop(request_id, None)
 
     def cancelled(self, future: CallFuture) -> None:
         if self.pop(future.request_id) is not None:
+            self._abandon(future.request_id)
             self._on_cancel(future)
+
+    def _abandon(self, request_id: int) -> None:
+        abandoned = self._abandoned
+        abandoned[request_id] = None
+        if len(abandoned) > _ABANDONED_MAX:
+            del abandoned[next(iter(abandoned))]
 
     # -- deadlines ----------------------------------------------------------------
     def _add_deadline(self, when: float, request_id: int, limit: float) -> None:
@@ -150,6 +169,7 @@ class PendingCalls:
             _, request_id, limit = heapq.heappop(deadlines)
             future = self.pop(request_id)
             if future is not None and not future.done():
+                self._abandon(request_id)
                 self._on_expire(future, limit)
         if deadlines:
             self._arm(deadlines[0][0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 from typing import Any
@@ -314,6 +315,31 @@ async def test_many_dropped_rrefs_are_freed(group2):
     assert (await debug_info("worker1"))["num_owner_rrefs"] == base + 50
     rrefs.clear()
     assert (await wait_owner_count("worker1", base))["num_owner_rrefs"] == base
+
+
+async def rref_after(seconds: float) -> ag.RRef:
+    with contextlib.suppress(asyncio.CancelledError):  # ignores the caller's CANCEL, as
+        await asyncio.sleep(seconds)  # a reply already on its way would: the reply comes
+    return ag.RRef(torch.zeros(100))
+
+
+async def test_rrefs_in_replies_that_come_after_the_caller_gave_up_are_freed(group2):
+    # the reply was pickled (a fork registered at the owner) after we stopped waiting;
+    # the owner must still hear that nobody holds it
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    late = 0
+    for _ in range(20):
+        try:
+            await ag.rpc_async("worker1", rref_after, args=(0.05,), timeout=0.01)
+        except ag.RpcTimeout:
+            late += 1
+    call = ag.rpc_async("worker1", rref_after, args=(0.05,), timeout=0)
+    await asyncio.sleep(0.01)
+    call.cancel()
+    await asyncio.sleep(0.2)  # the late replies arrive
+    assert late == 20
+    info = await wait_owner_count("worker1", base)
+    assert info["num_owner_rrefs"] == base and info["num_forks"] == 0, info
 
 
 async def test_failed_creation_is_freed(group2):
