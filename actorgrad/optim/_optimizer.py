@@ -64,6 +64,8 @@ class OptimizerActor:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.optimizers: dict[tuple[int, int], _LocalOptimizer] = {}
+        self._being_created: set[tuple[int, int]] = set()
+        self._dropped_early: set[tuple[int, int]] = set()  # dropped while being created
         # One lock for all local optimizers: two optimizers may share parameters, and
         # each assigns and clears .grad around its step (PyTorch also uses one lock).
         self.lock = asyncio.Lock()
@@ -71,13 +73,21 @@ class OptimizerActor:
     def on_create(self, peer: Any, payload: Payload) -> Any:
         msg = CreateOptimizer.load(payload)
 
+        key = msg.optimizer_id
+        self._being_created.add(key)  # now: a drop may come before the task first runs
+
         async def create() -> Payload:
-            params = [await p.to_here() for p in msg.params]
-            # off the loop: the first optimizer of a process imports torch._dynamo (~2 s)
-            optimizer = await self.worker.run_blocking(
-                lambda: msg.optimizer_class(params, *msg.args, **msg.kwargs)
-            )
-            self.optimizers[msg.optimizer_id] = _LocalOptimizer(optimizer, params)
+            try:
+                params = [await p.to_here() for p in msg.params]
+                # off the loop: the first optimizer of a process imports torch._dynamo (~2 s)
+                optimizer = await self.worker.run_blocking(
+                    lambda: msg.optimizer_class(params, *msg.args, **msg.kwargs)
+                )
+                if key not in self._dropped_early:  # else nobody can step it any more
+                    self.optimizers[key] = _LocalOptimizer(optimizer, params)
+            finally:
+                self._being_created.discard(key)
+                self._dropped_early.discard(key)
             return Payload.dump(None)
 
         return create()
@@ -87,26 +97,40 @@ class OptimizerActor:
         return self._step(msg.optimizer_id, msg.context_id)
 
     def on_drop(self, peer: Any, payload: Payload) -> None:
-        self.optimizers.pop(DropOptimizer.load(payload).optimizer_id, None)
+        key = DropOptimizer.load(payload).optimizer_id
+        if self.optimizers.pop(key, None) is None and key in self._being_created:
+            self._dropped_early.add(key)
 
     async def _step(self, optimizer_id: tuple[int, int], context_id: int) -> Payload:
         local = self.optimizers.get(optimizer_id)
         if local is None:
             raise RuntimeError(f"{self.worker.name} has no optimizer {optimizer_id}")
-        grads = _context.context_actor(self.worker).get(context_id).grads
-        async with self.lock:
-            update = [(p, grads.get(p)) for p in local.params]
+        ctx = _context.context_actor(self.worker).contexts.get(context_id)
+        if ctx is None:
+            # the context exists on the caller (step checked): this worker took no part
+            # in it, so none of its parameters has a gradient there (torch: no change)
+            return Payload.dump(None)
+        grads = ctx.grads
 
-            def apply() -> None:
-                try:
-                    for param, grad in update:
-                        param.grad = grad
-                    local.optimizer.step()
-                finally:
-                    for param, _ in update:
-                        param.grad = None
+        async def locked() -> None:
+            async with self.lock:
+                update = [(p, grads.get(p)) for p in local.params]
 
-            await self.worker.run_blocking(apply)
+                def apply() -> None:
+                    try:
+                        for param, grad in update:
+                            param.grad = grad
+                        local.optimizer.step()
+                    finally:
+                        for param, _ in update:
+                            param.grad = None
+
+                await self.worker.run_blocking(apply)
+
+        # A caller that gives up (timeout, cancel) cancels this handler, but the step
+        # already on the thread pool runs on: the lock must stay held until it ends, or
+        # the next step would run beside it on the same parameters.
+        await asyncio.shield(asyncio.ensure_future(locked()))
         return Payload.dump(None)
 
 
@@ -129,12 +153,12 @@ class DistributedOptimizer:
         if not params_rref:
             raise ValueError("DistributedOptimizer needs at least one parameter RRef")
         worker = get_worker()
-        self._worker = worker
         by_owner: dict[int, list[RRef[Any]]] = {}
         for rref in params_rref:
             if not isinstance(rref, RRef):
                 raise TypeError(f"params_rref must hold RRefs, got {type(rref).__name__}")
             by_owner.setdefault(rref.owner().id, []).append(rref)
+        self._worker = worker  # from here on, __del__ drops what was created
         self._id = (worker.rank, next(_ids))
         self._owners = sorted(by_owner)
         self._created: list[asyncio.Future[Payload]] = []
@@ -146,12 +170,26 @@ class DistributedOptimizer:
             self._created.append(fut)
 
     async def step(self, context_id: int) -> None:
-        """Apply the gradients of ``context_id`` on every owner, in parallel."""
+        """Apply the gradients of ``context_id`` on every owner, in parallel.
+
+        Owners that took no part in the context have no gradients in it: their
+        parameters stay as they are (as in torch). Every owner has answered before an
+        error is raised, so no step is still running when it is.
+
+        Raises:
+            ContextError: ``context_id`` is not a live context of this worker.
+        """
+        _context.context_actor(self._worker).get(context_id)
         if self._created:
             await asyncio.gather(*self._created)
             self._created = []
         message = OptStep(optimizer_id=self._id, context_id=context_id).dump()
-        await asyncio.gather(*(self._worker.call(o, OptStep.TARGET, message) for o in self._owners))
+        results = await asyncio.gather(
+            *(self._worker.call(o, OptStep.TARGET, message) for o in self._owners), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def zero_grad(self) -> None:
         """Nothing to do: gradients live in autograd contexts, not in ``.grad``."""

@@ -148,6 +148,92 @@ async def test_step_with_unknown_context_raises(group2):
     torch.testing.assert_close(await rref.to_here(), before)
 
 
+async def test_owner_that_took_no_part_in_the_context_keeps_its_params(group3):
+    # an unused branch (or expert) on worker2: torch's step leaves it alone
+    used = ag.remote("worker1", make_param, args=(21,))
+    unused = ag.remote("worker2", make_param, args=(22,))
+    before_used, before_unused = await used.to_here(), await unused.to_here()
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [used, unused], lr=0.1, momentum=0.9)
+    async with ag.autograd.context() as context_id:
+        p = await used.to_here()
+        await ag.autograd.backward(context_id, [p.square().sum()])
+        await opt.step(context_id)
+    lp = clone_leaf(before_used)
+    lp.square().sum().backward()
+    torch.testing.assert_close(await used.to_here(), (lp - 0.1 * lp.grad).detach())
+    assert torch.equal(await unused.to_here(), before_unused)
+
+
+async def test_step_of_a_context_this_worker_does_not_have_raises_before_anything_moves(group3):
+    rrefs = [ag.remote(w, make_param, args=(23,)) for w in ("worker1", "worker2")]
+    before = [await r.to_here() for r in rrefs]
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
+    with pytest.raises(ag.ContextError, match="does not exist"):
+        await opt.step(123456789)
+    for r, b in zip(rrefs, before, strict=True):
+        assert torch.equal(await r.to_here(), b)
+
+
+class CountingSlowSGD(torch.optim.SGD):
+    """SGD whose step takes 0.3 s and records how many steps ran at once."""
+
+    running = 0
+    most = 0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        cls = CountingSlowSGD
+        cls.running += 1
+        cls.most = max(cls.most, cls.running)
+        try:
+            time.sleep(0.3)
+            return super().step(closure)
+        finally:
+            cls.running -= 1
+
+
+def _most_at_once() -> int:
+    return CountingSlowSGD.most
+
+
+async def test_steps_stay_serialized_when_a_caller_gives_up(group2):
+    # the first step is abandoned (cancelled) while it runs on the owner's pool; the
+    # second must wait for it, not run beside it (one update would be lost)
+    rref = ag.remote("worker1", make_param, args=(24,))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(CountingSlowSGD, [rref], lr=1.0)
+    xs = [torch.rand(3, 3) for _ in range(2)]
+    async with ag.autograd.context() as first:
+        await ag.autograd.backward(first, [scaled_sum(await rref.to_here(), xs[0])])
+        async with ag.autograd.context() as second:
+            await ag.autograd.backward(second, [scaled_sum(await rref.to_here(), xs[1])])
+            abandoned = asyncio.ensure_future(opt.step(first))
+            await asyncio.sleep(0.15)  # running on the owner now
+            abandoned.cancel()
+            await opt.step(second)
+        await asyncio.sleep(0.3)  # the abandoned one ends
+    assert await ag.rpc_async("worker1", _most_at_once) == 1
+    lp = clone_leaf(before)
+    grads = [torch.autograd.grad(scaled_sum(lp, x), lp)[0] for x in xs]
+    torch.testing.assert_close(await rref.to_here(), lp.detach() - grads[0] - grads[1])
+
+
+async def test_optimizer_dropped_while_being_created_is_not_kept(group2):
+    rref = ag.remote("worker1", make_param, args=(25,))
+    await rref.to_here()
+    base = await owner_num_optimizers("worker1")
+    for _ in range(10):
+        opt = ag.optim.DistributedOptimizer(SlowInitSGD, [rref], lr=0.1)
+        del opt  # before its creation on the owner is done
+    await asyncio.sleep(0.5)
+    assert await owner_num_optimizers("worker1") == base
+
+
+class SlowInitSGD(torch.optim.SGD):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        super().__init__(*args, **kwargs)
+
+
 def test_needs_rrefs():
     with pytest.raises((ValueError, RuntimeError)):
         ag.optim.DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
