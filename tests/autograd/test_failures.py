@@ -302,17 +302,27 @@ async def _max_loop_stall(stop: asyncio.Event) -> float:
     return worst
 
 
-async def test_loop_responsive_while_planning_a_graph_of_many_nodes(group2):
-    x = torch.rand(1200, 4, requires_grad=True)
+async def _backward_watching_the_loop(fn, x):  # type: ignore[no-untyped-def]
+    """Gradients of ``sum(worker1: fn(x))`` and the worst stall of this (shared) event
+    loop while the backward ran."""
     async with ag.autograd.context() as context_id:
-        y = await ag.rpc_async("worker1", wide_graph, args=(x, 50))  # ~120k nodes there
+        y = await ag.rpc_async("worker1", fn, args=(x,))
         stop = asyncio.Event()
         monitor = asyncio.ensure_future(_max_loop_stall(stop))
         await asyncio.sleep(0.05)
         await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 60)
         stop.set()
         stall = await monitor
-        grads = ag.autograd.get_gradients(context_id)
+        return ag.autograd.get_gradients(context_id), stall
+
+
+def many_nodes(x: torch.Tensor) -> torch.Tensor:
+    return wide_graph(x, 50)  # ~120k nodes for 1200 rows
+
+
+async def test_loop_responsive_while_planning_a_graph_of_many_nodes(group2):
+    x = torch.rand(1200, 4, requires_grad=True)
+    grads, stall = await _backward_watching_the_loop(many_nodes, x)
     torch.testing.assert_close(grads[x], torch.full_like(x, 1.0001**50))
     assert stall < 0.5, f"the event loop stalled for {stall:.2f}s during the backward"
 
@@ -321,15 +331,7 @@ async def test_loop_responsive_while_a_small_custom_backward_runs(group2):
     # a tiny job, but a custom Function's backward is user Python of any length (here
     # 1 s): on the event loop it would stall the worker (heartbeats, other peers)
     x = torch.rand(3, requires_grad=True)
-    async with ag.autograd.context() as context_id:
-        y = await ag.rpc_async("worker1", slow_backward_fn(1.0), args=(x,))
-        stop = asyncio.Event()
-        monitor = asyncio.ensure_future(_max_loop_stall(stop))
-        await asyncio.sleep(0.05)
-        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 30)
-        stop.set()
-        stall = await monitor
-        grads = ag.autograd.get_gradients(context_id)
+    grads, stall = await _backward_watching_the_loop(slow_backward_fn(1.0), x)
     assert_grads(grads, [(x, torch.full_like(x, 2.0))])
     assert stall < 0.5, f"the event loop stalled for {stall:.2f}s during the backward"
 
