@@ -52,6 +52,7 @@ def _setup(worker: _Worker) -> None:
     worker.register(_PropagateGrads.DELEGATED, engine.on_delegated_propagate)
     worker.register(_ReleaseContext.TARGET, contexts.on_release)
     worker.register(_DESCRIBE, contexts.on_describe)
+    worker.add_lost_listener(contexts.on_worker_lost)
     worker.register(_Traverse.TARGET, engine.on_traverse)
     _install_inspect(worker)
 

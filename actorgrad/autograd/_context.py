@@ -371,6 +371,13 @@ class ContextActor(CallHooks):
         ctx = self.contexts.get(context_id)
         return Payload.dump("unknown (context released)" if ctx is None else ctx.describe(message_id))
 
+    def on_worker_lost(self, name: str, rank: int, reason: str) -> None:
+        """A worker that is gone can never leave the contexts it created (its
+        ``__aexit__`` sends the release): free them here. Every other worker that took
+        part hears of the loss too and does the same."""
+        for context_id in [c for c in self.contexts if c >> ID_BITS == rank]:
+            self.release(context_id, came_from=rank)
+
     def on_release(self, peer: Any, payload: Payload) -> None:
         msg = ReleaseContext.load(payload)
         self.release(msg.context_id, came_from=peer.rank)

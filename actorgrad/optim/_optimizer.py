@@ -96,6 +96,12 @@ class OptimizerActor:
         msg = OptStep.load(payload)
         return self._step(msg.optimizer_id, msg.context_id)
 
+    def on_worker_lost(self, name: str, rank: int, reason: str) -> None:
+        """The optimizers a lost worker created can never be stepped or dropped by it."""
+        for key in [k for k in self.optimizers if k[0] == rank]:
+            del self.optimizers[key]
+        self._dropped_early.update(k for k in self._being_created if k[0] == rank)
+
     def on_drop(self, peer: Any, payload: Payload) -> None:
         key = DropOptimizer.load(payload).optimizer_id
         if self.optimizers.pop(key, None) is None and key in self._being_created:
@@ -215,3 +221,4 @@ def setup(worker: Worker) -> None:
     worker.register(CreateOptimizer.TARGET, actor.on_create)
     worker.register(OptStep.TARGET, actor.on_step)
     worker.register(DropOptimizer.TARGET, actor.on_drop)
+    worker.add_lost_listener(actor.on_worker_lost)

@@ -91,6 +91,39 @@ async def test_worker_killed_during_backward(make_process_group):
     assert info_after["num_autograd_contexts"] == 0
 
 
+def _optimizers_here() -> int:
+    from actorgrad.runtime import get_worker
+
+    return len(get_worker().extensions["optim"].optimizers)
+
+
+async def test_what_a_killed_worker_created_here_is_freed(make_process_group):
+    # a trainer that dies can never release its context or drop its optimizer: the
+    # parameter server (worker0 here) must not keep them, and their graphs, for good
+    async def trainer_holding_a_context_and_an_optimizer(param: ag.RRef) -> None:
+        # defined here: it travels to the worker process by value
+        opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [param], lr=0.1)
+        async with ag.autograd.context():
+            await ag.rpc_async("worker0", torch.mul, args=(torch.ones(2, requires_grad=True), 2.0))
+            await asyncio.sleep(60)  # killed in here: it never leaves the context
+        del opt
+
+    group = await make_process_group(2)
+    param = ag.RRef(torch.ones(2, requires_grad=True))
+    trainer = ag.rpc_async("worker1", trainer_holding_a_context_and_an_optimizer, args=(param,), timeout=0)
+    deadline = time.monotonic() + 10
+    while ag.autograd.debug_info()["num_autograd_contexts"] == 0 or _optimizers_here() == 0:
+        assert time.monotonic() < deadline and not trainer.done()
+        await asyncio.sleep(0.02)
+    group.kill(1)
+    with pytest.raises(ag.WorkerLost):
+        await asyncio.wait_for(trainer, 10)
+    deadline = time.monotonic() + 5
+    while ag.autograd.debug_info()["num_autograd_contexts"] or _optimizers_here():
+        assert time.monotonic() < deadline, (ag.autograd.debug_info(), _optimizers_here())
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.slow
 async def test_worker_killed_two_hops_away(make_process_group):
     """worker0 -> worker1 -> worker2; worker2 dies while it backpropagates."""
