@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import gc
 import inspect
+import ipaddress
 import json
 import logging
 import os
@@ -195,6 +196,17 @@ class Worker:
         opts = self.options
         deadline = time.monotonic() + opts.init_timeout
         scheme, host, port, _, _ = parse_init_method(init_method, self.rank, self.world_size)
+        if not self.auth_key:
+            if not _is_loopback(opts.listen_host):
+                raise ValueError(
+                    f"listening on {opts.listen_host!r} without an auth_key would let anyone who "
+                    "reaches it run code here: set RpcOptions(auth_key=...) or ACTORGRAD_AUTH_KEY "
+                    "(actorgrad launch sets a fresh one)"
+                )
+            log.warning(
+                "%s: no auth_key: any process on this host can join the group and run code "
+                "here; set ACTORGRAD_AUTH_KEY (actorgrad launch, local_group and in-process "
+                "groups make one)", self.name)
         self._server = await self.loop.create_server(
             lambda: self._accept(),
             opts.listen_host,
@@ -768,6 +780,13 @@ class Worker:
                     closer()
                 except Exception:
                     log.exception("%s: closing %s failed", self.name, name)
+
+
+def _is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _entry_name(entry: str) -> str:

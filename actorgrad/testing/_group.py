@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import os
 import shutil
 import signal
@@ -83,11 +84,15 @@ async def start_in_process(world_size: int = 2, options: RpcOptions | None = Non
     """Start ``world_size`` workers named ``worker0``.. on the running loop."""
     port = free_port()
     loop = asyncio.get_running_loop()
+    options = options or RpcOptions()
+    if options.auth_key is None and not os.environ.get("ACTORGRAD_AUTH_KEY"):
+        # a key of the group's own: no other process on the host can join it
+        options = dataclasses.replace(options, auth_key=os.urandom(16).hex())
     contexts = [contextvars.copy_context() for _ in range(world_size)]
     tasks = [
         loop.create_task(
             init_rpc(f"worker{r}", rank=r, world_size=world_size,
-                     init_method=f"tcp://127.0.0.1:{port}", options=options or RpcOptions()),
+                     init_method=f"tcp://127.0.0.1:{port}", options=options),
             context=contexts[r],
         )
         for r in range(world_size)

@@ -438,6 +438,30 @@ async def test_a_reply_from_a_worker_that_was_not_called_is_dropped(group3):
     await assert_still_serves(group3)
 
 
+async def test_no_auth_key_is_refused_off_loopback_and_warned_on_it(monkeypatch, caplog):
+    monkeypatch.delenv("ACTORGRAD_AUTH_KEY", raising=False)
+    method = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match="auth_key"):
+        await ag.init_rpc("open", rank=0, world_size=1, init_method=method,
+                          options=ag.RpcOptions(listen_host="0.0.0.0"))
+    with caplog.at_level("WARNING", logger="actorgrad"):
+        await ag.init_rpc("local", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    await ag.shutdown()
+    assert any("no auth_key" in r.getMessage() for r in caplog.records)
+
+
+async def test_in_process_groups_make_a_key_of_their_own(monkeypatch):
+    from actorgrad.testing import start_in_process
+
+    monkeypatch.delenv("ACTORGRAD_AUTH_KEY", raising=False)
+    group = await start_in_process(2)
+    try:
+        keys = {w.auth_key for w in group.workers}
+        assert len(keys) == 1 and None not in keys
+    finally:
+        await group.shutdown()
+
+
 async def test_garbage_bytes_close_the_connection(group2):
     port = port_of(group2.workers[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
