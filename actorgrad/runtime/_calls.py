@@ -80,7 +80,7 @@ class PendingCalls:
         # Calls that timed out or were cancelled, oldest first. A reply that comes for
         # one anyway is still unpickled and dropped: an RRef in it registered a fork at
         # its owner, which only dropping the unpickled RRef gives back.
-        self._abandoned: dict[int, PeerProtocol] = {}  # request id -> the peer called
+        self._abandoned: dict[int, None] = {}
 
     def __len__(self) -> int:
         return len(self.futures)
@@ -106,14 +106,6 @@ class PendingCalls:
         if future is not None:
             future.peer.outstanding.discard(request_id)
         return future
-
-    def answered_by(self, request_id: int, peer: PeerProtocol) -> bool:
-        """Whether a reply to ``request_id`` from ``peer`` may be taken: only the worker
-        that was called answers a call (another one's reply is dropped unread)."""
-        future = self.futures.get(request_id)
-        if future is not None:
-            return future.peer is peer
-        return self._abandoned.get(request_id, peer) is peer
 
     def resolve(self, request_id: int, payload: Payload) -> None:
         """The reply arrived: set the decoded value (or the decoding error)."""
@@ -144,12 +136,12 @@ class PendingCalls:
 
     def cancelled(self, future: CallFuture) -> None:
         if self.pop(future.request_id) is not None:
-            self._abandon(future)
+            self._abandon(future.request_id)
             self._on_cancel(future)
 
-    def _abandon(self, future: CallFuture) -> None:
+    def _abandon(self, request_id: int) -> None:
         abandoned = self._abandoned
-        abandoned[future.request_id] = future.peer
+        abandoned[request_id] = None
         if len(abandoned) > _ABANDONED_MAX:
             del abandoned[next(iter(abandoned))]
 
@@ -177,7 +169,7 @@ class PendingCalls:
             _, request_id, limit = heapq.heappop(deadlines)
             future = self.pop(request_id)
             if future is not None and not future.done():
-                self._abandon(future)
+                self._abandon(request_id)
                 self._on_expire(future, limit)
         if deadlines:
             self._arm(deadlines[0][0])

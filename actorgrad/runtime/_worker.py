@@ -450,9 +450,6 @@ class Worker:
         try:
             if isinstance(msg, Call):
                 self._serve_call(peer, msg)
-            elif isinstance(msg, (Result, Failure)) and not self._pending.answered_by(msg.request_id, peer):
-                log.warning("%s: dropped a reply from %s to a call it was not sent (request %d)",
-                            self.name, peer.name, msg.request_id)
             elif isinstance(msg, Result):
                 self._pending.resolve(msg.request_id, msg.payload)
             elif isinstance(msg, Failure):
