@@ -52,6 +52,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._handshaking = True  # the Connection may queue frames of its own until done
+        self.handshake_timer: asyncio.TimerHandle | None = None  # set by the accepting worker
         # Small frames are sometimes corked and leave together (see _write).
         self._corked: list[bytes | bytearray | memoryview] | None = None
         self._sent_this_tick = 0
@@ -95,7 +96,10 @@ class PeerProtocol(asyncio.BufferedProtocol):
                 elif event.ping:
                     self.send(Heartbeat(ping=False))  # answer: we are alive
         except (ProtocolError, AuthenticationError) as exc:
-            self.abort(exc)
+            # without its traceback: the decoder keeps this error, and the traceback's
+            # frames hold this protocol, a cycle that kept every dropped connection (and
+            # its receive buffer) alive until a full garbage collection
+            self.abort(exc.with_traceback(None))
         finally:
             worker.corking -= 1
             if not worker.corking:
@@ -121,6 +125,9 @@ class PeerProtocol(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.handshake_timer is not None:
+            self.handshake_timer.cancel()  # it holds this protocol for init_timeout
+            self.handshake_timer = None
         reason = self.lost_reason or (f"connection lost: {exc}" if exc else "connection closed")
         if not self.established.done():
             self.established.set_exception(ConnectionError(reason))

@@ -315,7 +315,7 @@ class Worker:
         proto = PeerProtocol(self, initiator)
         self._connections.add(proto)
         # An unauthenticated connection gets a bounded time to finish the handshake.
-        self.loop.call_later(self.options.init_timeout, self._handshake_deadline, proto)
+        proto.handshake_timer = self.loop.call_later(self.options.init_timeout, self._handshake_deadline, proto)
         return proto
 
     def _handshake_deadline(self, proto: PeerProtocol) -> None:
@@ -329,6 +329,9 @@ class Worker:
         )
 
     def on_established(self, proto: PeerProtocol, event: Established) -> None:
+        if proto.handshake_timer is not None:
+            proto.handshake_timer.cancel()
+            proto.handshake_timer = None
         rank, name = event.peer_rank, event.peer_name
         expected = self.infos.get(rank)
         waiter = self._peer_waiters.get(rank)

@@ -443,6 +443,30 @@ async def test_in_process_groups_make_a_key_of_their_own(monkeypatch):
         await group.shutdown()
 
 
+async def test_dropped_unauthenticated_connections_are_not_kept(group2):
+    # each holds a receive buffer; none may outlive its socket (a handshake timer and a
+    # reference cycle through the kept error used to hold them for a minute or more)
+    import gc
+
+    from actorgrad.runtime._transport import PeerProtocol
+
+    def live_protocols() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, PeerProtocol))
+
+    port = port_of(group2.workers[1])
+    before = live_protocols()
+    for _ in range(100):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GARBAGE!" * 8)
+        await writer.drain()
+        writer.close()
+    deadline = time.monotonic() + 5
+    while live_protocols() > before and time.monotonic() < deadline:  # noqa: ASYNC110 - polling gc
+        await asyncio.sleep(0.05)
+    assert live_protocols() <= before
+    await assert_still_serves(group2)
+
+
 async def test_garbage_bytes_close_the_connection(group2):
     port = port_of(group2.workers[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
