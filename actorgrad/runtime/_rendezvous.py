@@ -18,11 +18,13 @@ import urllib.parse
 from typing import Any
 
 _MAX_LINE = 1 << 16
+_MAX_BYTES = 16 << 20  # what the store keeps in all: a few short entries per worker
 class StoreServer:
     """The TCP store hosted by rank 0."""
 
     def __init__(self) -> None:
         self._data: dict[str, str] = {}
+        self._bytes = 0  # received by set/claim so far (bounds what the store keeps)
         self._changed = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.StreamWriter] = set()
@@ -50,8 +52,11 @@ class StoreServer:
             while line := await reader.readline():
                 request = json.loads(line)
                 op, key = request["op"], str(request["key"])
+                if op in ("set", "claim") and self._bytes + len(line) > _MAX_BYTES:
+                    return  # no group needs this much: this client is not one of it
                 if op == "set" or (op == "claim" and key not in self._data):
                     self._data[key] = str(request["value"])
+                    self._bytes += len(line)
                     self._changed.set()
                     self._changed = asyncio.Event()
                     reply: dict[str, Any] = {"ok": True}
@@ -60,13 +65,14 @@ class StoreServer:
                 elif op == "wait_prefix":
                     count = int(request["count"])
                     while len(items := self._items(key)) < count:
-                        await self._changed.wait()
+                        if not await self._changed_or_gone(reader):
+                            return  # the client hung up while it waited: free its socket
                     reply = {"items": items}
                 else:
                     reply = {"error": f"unknown op {op!r}"}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
-        except (ValueError, KeyError, TypeError, ConnectionError, asyncio.LimitOverrunError):
+        except (ValueError, KeyError, TypeError, RecursionError, ConnectionError, asyncio.LimitOverrunError):
             pass  # a malformed or vanished client: drop it, keep serving the others
         except asyncio.CancelledError:
             # The loop is going away (asyncio.run cancels what is left when the program
@@ -77,6 +83,20 @@ class StoreServer:
         finally:
             self._clients.discard(writer)
             writer.close()
+
+    async def _changed_or_gone(self, reader: asyncio.StreamReader) -> bool:
+        """Wait for a change of the data; False if the client hung up (or, against the
+        protocol, sent more while it waits) first."""
+        changed = asyncio.ensure_future(self._changed.wait())
+        gone = asyncio.ensure_future(reader.read(1))
+        try:
+            done, _ = await asyncio.wait({changed, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            gone.cancel()
+            # let the read end before anyone reads the stream again
+            await asyncio.gather(changed, gone, return_exceptions=True)
+        return gone not in done
 
     def _items(self, prefix: str) -> dict[str, str]:
         return {k: v for k, v in self._data.items() if k.startswith(prefix)}

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
+import json
 import os
 import signal
 import socket
@@ -799,3 +800,37 @@ def test_blocking_call_inside_a_coroutine_on_uvloop_says_to_await(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "uvloop" in proc.stdout and "await" in proc.stdout
     assert "ASYNC 2" in proc.stdout
+
+
+async def test_rendezvous_store_frees_waiters_that_hang_up_and_bounds_what_it_keeps():
+    from actorgrad.runtime._rendezvous import _MAX_BYTES, StoreServer
+
+    server = StoreServer()
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    try:
+        for _ in range(50):  # wait for a count never reached, then leave
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b'{"op": "wait_prefix", "key": "nope/", "count": 1000000}\n')
+            await writer.drain()
+            writer.close()
+        deadline = time.monotonic() + 5
+        while server._clients and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll
+            await asyncio.sleep(0.05)
+        assert not server._clients
+        # a client that writes more than any group needs is dropped; the store stays bounded
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+        value = "x" * 60000
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            for i in range(_MAX_BYTES // 60000 + 10):
+                writer.write(json.dumps({"op": "set", "key": f"k{i}", "value": value}).encode() + b"\n")
+                await writer.drain()
+                if not await reader.readline():
+                    break
+                sent += 1
+        writer.close()
+        assert sent <= _MAX_BYTES // 60000 + 1
+        assert sum(len(v) for v in server._data.values()) <= _MAX_BYTES
+    finally:
+        await server.close()
