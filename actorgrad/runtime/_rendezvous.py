@@ -19,6 +19,8 @@ from typing import Any
 
 _MAX_LINE = 1 << 16
 _MAX_BYTES = 16 << 20  # what the store keeps in all: a few short entries per worker
+
+
 class StoreServer:
     """The TCP store hosted by rank 0."""
 
