@@ -103,6 +103,24 @@ def _runs_python(region: Sequence[Any]) -> bool:
     return False
 
 
+class _ReleasedGuard:
+    """Around work on ``ctx``: an exception it raises after the context was released
+    meanwhile becomes the ContextError of :meth:`EngineActor._released` (a slotted
+    class, not a contextlib generator: it wraps every PROPAGATE_GRADS)."""
+
+    __slots__ = ("ctx", "engine")
+
+    def __init__(self, engine: EngineActor, ctx: DistContext | None) -> None:
+        self.engine, self.ctx = engine, ctx
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, Exception) and (error := self.engine._failed(self.ctx, exc)) is not exc:
+            raise error from exc
+
+
 @dataclass(slots=True, eq=False)
 class GraphTask:
     """One worker's state for one distributed backward pass."""
@@ -232,12 +250,8 @@ class EngineActor:
     def on_traverse(self, peer: Any, payload: Payload) -> Any:
         msg = Traverse.load(payload)
         ctx = self.contexts.get(msg.context_id)
-        try:
+        with _ReleasedGuard(self, ctx):
             outcome = self._traverse(peer, msg, ctx)
-        except Exception as exc:
-            if (error := self._failed(ctx, exc)) is exc:
-                raise
-            raise error from exc
         return outcome if isinstance(outcome, Payload) else self._guarded(ctx, outcome)
 
     def _traverse(self, peer: Any, msg: Traverse, ctx: DistContext) -> Payload | Awaitable[Payload]:
@@ -278,12 +292,8 @@ class EngineActor:
         owed = (peer.rank, self.worker.serving_request, self.worker.rank)
         msg = PropagateGrads.load(payload)
         ctx = self.contexts.get(msg.context_id)
-        try:
+        with _ReleasedGuard(self, ctx):
             outcome = self._serve(msg, owed)
-        except Exception as exc:
-            if (error := self._failed(ctx, exc)) is exc:
-                raise
-            raise error from exc
         if outcome is None or isinstance(outcome, BackwardReport):
             return None if outcome is None else outcome.dump()
         guarded = self._guarded(ctx, outcome)
@@ -310,12 +320,8 @@ class EngineActor:
 
     async def _guarded(self, ctx: DistContext | None, outcome: Awaitable[T]) -> T:
         """``outcome``, failing as :meth:`_failed` says."""
-        try:
+        with _ReleasedGuard(self, ctx):
             return await outcome
-        except Exception as exc:
-            if (error := self._failed(ctx, exc)) is exc:
-                raise
-            raise error from exc
 
     def on_delegated_propagate(self, peer: Any, payload: Payload) -> None:
         """A PROPAGATE_GRADS tell that carries the duty to answer someone's call."""
@@ -900,14 +906,11 @@ async def backward(
     task = GraphTask(contexts.new_id(), mode, retain_graph)
     ctx.graph_tasks[task.backward_id] = task
     try:
-        if mode == "smart":
-            await engine.discover(ctx, task, roots)
-        await engine.plan(ctx, task, roots)
-        report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
-    except Exception as exc:
-        if (error := engine._failed(ctx, exc)) is exc:
-            raise
-        raise error from exc
+        with _ReleasedGuard(engine, ctx):
+            if mode == "smart":
+                await engine.discover(ctx, task, roots)
+            await engine.plan(ctx, task, roots)
+            report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)
     if ctx.released:  # its entries went mid-pass: what was planned from them is partial
