@@ -64,8 +64,9 @@ class OptimizerActor:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.optimizers: dict[tuple[int, int], _LocalOptimizer] = {}
-        self._being_created: set[tuple[int, int]] = set()
-        self._dropped_early: set[tuple[int, int]] = set()  # dropped while being created
+        # optimizers being created -> whether they were dropped meanwhile (then they
+        # are not kept: nobody can step or drop them any more)
+        self._creating: dict[tuple[int, int], bool] = {}
         # One lock for all local optimizers: two optimizers may share parameters, and
         # each assigns and clears .grad around its step (PyTorch also uses one lock).
         self.lock = asyncio.Lock()
@@ -74,7 +75,7 @@ class OptimizerActor:
         msg = CreateOptimizer.load(payload)
 
         key = msg.optimizer_id
-        self._being_created.add(key)  # now: a drop may come before the task first runs
+        self._creating[key] = False  # now: a drop may come before the task first runs
 
         async def create() -> Payload:
             try:
@@ -83,11 +84,10 @@ class OptimizerActor:
                 optimizer = await self.worker.run_blocking(
                     lambda: msg.optimizer_class(params, *msg.args, **msg.kwargs)
                 )
-                if key not in self._dropped_early:  # else nobody can step it any more
+                if not self._creating[key]:
                     self.optimizers[key] = _LocalOptimizer(optimizer, params)
             finally:
-                self._being_created.discard(key)
-                self._dropped_early.discard(key)
+                del self._creating[key]
             return Payload.dump(None)
 
         return create()
@@ -100,12 +100,14 @@ class OptimizerActor:
         """The optimizers a lost worker created can never be stepped or dropped by it."""
         for key in [k for k in self.optimizers if k[0] == rank]:
             del self.optimizers[key]
-        self._dropped_early.update(k for k in self._being_created if k[0] == rank)
+        for key in self._creating:
+            if key[0] == rank:
+                self._creating[key] = True
 
     def on_drop(self, peer: Any, payload: Payload) -> None:
         key = DropOptimizer.load(payload).optimizer_id
-        if self.optimizers.pop(key, None) is None and key in self._being_created:
-            self._dropped_early.add(key)
+        if self.optimizers.pop(key, None) is None and key in self._creating:
+            self._creating[key] = True
 
     async def _step(self, optimizer_id: tuple[int, int], context_id: int) -> Payload:
         local = self.optimizers.get(optimizer_id)
