@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._errors import AuthenticationError, ProtocolError
-from ..wire import Connection, Established, Heartbeat, Message, State
+from ..wire import Call, Connection, Established, Heartbeat, Message, State
 
 if TYPE_CHECKING:
     from ._worker import Worker
@@ -49,7 +49,14 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.last_received = self.last_sent = time.monotonic()
         self.leaving = False  # peer announced shutdown: losing it is expected
         self.lost_reason: str | None = None
-        self._paused = False
+        # Above the transport's high-water mark the peer is not reading what we send as
+        # fast as we produce it: its calls wait in ``deferred`` (in order) until the
+        # buffer drains, so a peer that stops reading cannot make us pile up replies;
+        # the worker drops it when the buffer makes no progress (see Worker._heartbeats).
+        self.write_paused = False
+        self.deferred: collections.deque[Call] = collections.deque()
+        self.stall_since = 0.0  # when the unsent bytes last went down while paused
+        self.stall_unsent = 0  # and to how many
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._handshaking = True  # the Connection may queue frames of its own until done
         self.handshake_timer: asyncio.TimerHandle | None = None  # set by the accepting worker
@@ -138,14 +145,23 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.worker.on_connection_lost(self, reason)
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self.write_paused = True
+        self.stall_since = time.monotonic()
+        self.stall_unsent = self.unsent_bytes()
 
     def resume_writing(self) -> None:
-        self._paused = False
+        self.write_paused = False
         waiters, self._drain_waiters = self._drain_waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        if self.deferred:
+            self.worker.serve_deferred(self)
+
+    def unsent_bytes(self) -> int:
+        """Bytes handed to the transport that the kernel has not taken yet."""
+        transport = self.transport
+        return transport.get_write_buffer_size() if transport is not None else 0
 
     # -- used by the worker ---------------------------------------------------------
     @property
@@ -227,7 +243,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
 
     async def drain(self) -> None:
         self.flush()
-        if self._paused and self.is_open:
+        if self.write_paused and self.is_open:
             waiter: asyncio.Future[None] = self.worker.loop.create_future()
             self._drain_waiters.append(waiter)
             await waiter
@@ -264,6 +280,8 @@ class LoopbackPeer:
         self.outstanding: set[int] = set()
         self.serving: dict[int, asyncio.Task[None]] = {}
         self.leaving = False
+        self.write_paused = False  # messages to ourselves never wait
+        self.deferred: collections.deque[Call] = collections.deque()
         self.last_received = self.last_sent = time.monotonic()
         self.flush = lambda: None
         self._decoder = FrameDecoder(max_frame_size=DEFAULT_MAX_FRAME_SIZE)

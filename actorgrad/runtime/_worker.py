@@ -452,7 +452,10 @@ class Worker:
         token = _current.current_worker.set(self)
         try:
             if isinstance(msg, Call):
-                self._serve_call(peer, msg)
+                if peer.write_paused or peer.deferred:
+                    peer.deferred.append(msg)  # served when the peer reads again
+                else:
+                    self._serve_call(peer, msg)
             elif isinstance(msg, Result):
                 self._pending.resolve(msg.request_id, msg.payload)
             elif isinstance(msg, Failure):
@@ -464,10 +467,32 @@ class Worker:
                 task = peer.serving.pop(msg.request_id, None)
                 if task is not None:
                     task.cancel()
+                elif peer.deferred:
+                    for call in peer.deferred:
+                        if call.request_id == msg.request_id:
+                            peer.deferred.remove(call)
+                            break
             elif isinstance(msg, Goodbye):
                 peer.leaving = True
         finally:
             _current.current_worker.reset(token)
+
+    def serve_deferred(self, peer: PeerProtocol) -> None:
+        """Serve, in order, the calls ``peer`` sent while it did not read our replies
+        (see PeerProtocol.write_paused), until it falls behind again."""
+        if peer.rank is None or self.peers.get(peer.rank) is not peer:
+            peer.deferred.clear()
+            return
+        token = _current.current_worker.set(self)
+        self.corking += 1  # the replies leave together
+        try:
+            while peer.deferred and not peer.write_paused:
+                self._serve_call(peer, peer.deferred.popleft())
+        finally:
+            self.corking -= 1
+            _current.current_worker.reset(token)
+            if not self.corking:
+                self.flush_corked()
 
     def _on_trace_set(self, peer: PeerProtocol, payload: Payload) -> None:
         self.tracer.enabled = bool(payload.load())
@@ -665,6 +690,7 @@ class Worker:
         for task in proto.serving.values():
             task.cancel()
         proto.serving.clear()
+        proto.deferred.clear()
         self._done_changed.set()
         if not orderly:
             log.warning("%s: lost worker %s: %s", self.name, name, reason)
@@ -688,9 +714,22 @@ class Worker:
                     with contextlib.suppress(Exception):
                         peer.send(Heartbeat(ping=True))
                 if stalled_here:
-                    peer.last_received = now
+                    peer.last_received = peer.stall_since = now
                 elif peer.outstanding and silent > self.options.heartbeat_timeout:
                     peer.abort(f"no message for {silent:.1f}s (heartbeat timeout)")
+                elif peer.write_paused:
+                    self._check_write_stall(peer, now)
+
+    def _check_write_stall(self, peer: PeerProtocol, now: float) -> None:
+        """Drop a peer whose unsent bytes made no progress for heartbeat_timeout: it
+        stopped reading (its calls already wait, see serve_deferred), and what we hold
+        for it would otherwise stay for good."""
+        unsent = peer.unsent_bytes()
+        if unsent < peer.stall_unsent:
+            peer.stall_since, peer.stall_unsent = now, unsent
+        elif now - peer.stall_since > self.options.heartbeat_timeout:
+            peer.abort(f"{peer.name} stopped reading: {unsent / (1 << 20):.1f} MiB unsent, "
+                       f"none taken for {now - peer.stall_since:.1f}s")
 
     # -- observability --------------------------------------------------------------
     async def export_trace(self, path: str) -> int:

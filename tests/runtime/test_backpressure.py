@@ -1,0 +1,100 @@
+"""A peer that does not read what a worker sends it: its calls wait instead of piling
+up replies, in order, and a peer that stopped reading for good is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import torch
+
+import actorgrad as ag
+
+MiB = 1 << 20
+served_order: list[int] = []
+
+
+def big(i: int) -> torch.Tensor:
+    return torch.full((4 * MiB,), float(i))  # 16 MiB
+
+
+def record(i: int) -> int:
+    served_order.append(i)
+    return i
+
+
+async def test_a_peer_that_stops_reading_gets_no_more_work_and_is_dropped(make_group, caplog):
+    group = await make_group(3, ag.RpcOptions(heartbeat_interval=0.2, heartbeat_timeout=1.0))
+    w1, w2 = group.workers[1], group.workers[2]
+    # worker2 plays the peer that stops reading (and never gives up on worker1 itself)
+    w2.options = dataclasses.replace(w2.options, heartbeat_timeout=60.0)
+    w2.peers[1].transport.pause_reading()
+    to_w2 = w1.peers[2]
+
+    async def ask_and_never_read() -> int:
+        # asks for a 16 MiB result every 20 ms, reads none
+        futures = []
+        while 2 in w1.peers and len(futures) < 60:
+            futures.append(ag.rpc_async("worker1", big, args=(len(futures),), timeout=30))
+            await asyncio.sleep(0.02)
+        for future in futures:
+            future.cancel()
+        return len(futures)
+
+    asking = group.run_as(2, ask_and_never_read)
+    peak = 0
+    deadline = time.monotonic() + 10
+    with caplog.at_level(logging.WARNING, logger="actorgrad"):
+        while 2 in w1.peers and time.monotonic() < deadline:  # noqa: ASYNC110 - sampling
+            peak = max(peak, to_w2.transport.get_write_buffer_size())
+            await asyncio.sleep(0.01)
+    assert 2 not in w1.peers, "worker1 kept a peer that read nothing for 10 s"
+    assert any("worker2 stopped reading" in r.getMessage() for r in caplog.records)
+    assert await asyncio.wait_for(asking, 10) > 20
+    # no more than the high-water mark (64 MiB) plus what was being produced when it
+    # was crossed waited for the peer; the rest of what it asked for was never run
+    assert peak < 64 * MiB + 3 * 17 * MiB, f"{peak / MiB:.0f} MiB waited for a peer that did not read"
+    # worker1 still serves the others
+    x = torch.randn(5)
+    assert torch.equal(await asyncio.wait_for(ag.rpc_async("worker1", torch.neg, args=(x,)), 10), -x)
+
+
+async def test_calls_of_a_slow_reader_wait_and_run_in_order(make_group):
+    group = await make_group(2)
+    w0 = group.workers[0]
+    served_order.clear()
+    transport = w0.peers[1].transport
+    transport.pause_reading()
+    bigs = [ag.rpc_async("worker1", big, args=(i,), timeout=30) for i in range(8)]
+    await asyncio.sleep(0.5)  # worker1's replies fill its buffer: the calls from now on wait
+    smalls = [ag.rpc_async("worker1", record, args=(i,), timeout=30) for i in range(20)]
+    await asyncio.sleep(0.2)
+    to_w0 = group.workers[1].peers[0]
+    assert to_w0.write_paused and len(to_w0.deferred) == 20 and not served_order
+    transport.resume_reading()
+    results = await asyncio.wait_for(asyncio.gather(*bigs), 30)
+    assert [int(r[0]) for r in results] == list(range(8))
+    assert all(torch.equal(r, big(i)) for i, r in enumerate(results))
+    assert await asyncio.wait_for(asyncio.gather(*smalls), 30) == list(range(20))
+    assert served_order == list(range(20))
+
+
+async def test_cancelled_call_that_waits_for_a_slow_reader_never_runs(make_group):
+    group = await make_group(2)
+    w0 = group.workers[0]
+    served_order.clear()
+    transport = w0.peers[1].transport
+    transport.pause_reading()
+    bigs = [ag.rpc_async("worker1", big, args=(i,), timeout=30) for i in range(8)]
+    await asyncio.sleep(0.5)
+    waiting = ag.rpc_async("worker1", record, args=(1,), timeout=30)
+    await asyncio.sleep(0.1)
+    waiting.cancel()
+    after = ag.rpc_async("worker1", record, args=(2,), timeout=30)
+    await asyncio.sleep(0.1)
+    transport.resume_reading()
+    await asyncio.wait_for(asyncio.gather(*bigs), 30)
+    assert await asyncio.wait_for(after, 30) == 2
+    assert served_order == [2]
