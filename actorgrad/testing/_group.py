@@ -113,6 +113,7 @@ class LocalGroup:
     def __init__(self, processes: list[subprocess.Popen[bytes]], logdir: str) -> None:
         self.processes = processes
         self.logdir = logdir
+        self.killed: set[int] = set()  # ranks ended on purpose by kill()
 
     @property
     def pids(self) -> list[int]:
@@ -121,6 +122,7 @@ class LocalGroup:
     def kill(self, rank: int) -> None:
         """SIGKILL worker ``rank`` (>= 1), as a crash would."""
         proc = self.processes[rank - 1]
+        self.killed.add(rank)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
@@ -143,7 +145,9 @@ class LocalGroup:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        if all(proc.returncode == 0 for proc in self.processes):  # keep the logs of failures
+        # keep the logs of failures: a worker that exited with an error we did not cause
+        if all(proc.returncode == 0 or rank in self.killed
+               for rank, proc in enumerate(self.processes, start=1)):
             shutil.rmtree(self.logdir, ignore_errors=True)
 
 

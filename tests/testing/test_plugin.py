@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -99,3 +104,27 @@ async def test_local_group_reports_a_worker_that_dies_at_start(tmp_path, monkeyp
         await local_group(2, options=ag.RpcOptions(init_timeout=60), env={"PYTHONPATH": str(tmp_path)})
     assert time.monotonic() - start < 30
     assert "this actorgrad cannot be imported" in str(info.value)
+    # the log it points to is kept for the user; this test has read it
+    logged = re.search(r"\((/\S+)/worker1\.log\)", str(info.value))
+    assert logged is not None and os.path.isdir(logged.group(1))  # noqa: ASYNC240
+    shutil.rmtree(logged.group(1))
+
+
+async def test_local_group_keeps_logs_only_of_workers_that_failed_on_their_own() -> None:
+    import actorgrad as ag
+    from actorgrad.testing import local_group
+
+    killed = await local_group(3)
+    killed.kill(2)  # as a fault test does: its end is no failure of the worker
+    await killed.shutdown(graceful=False)
+    assert not os.path.exists(killed.logdir)  # noqa: ASYNC240
+
+    crashed = await local_group(2)
+    try:
+        with contextlib.suppress(ag.WorkerLost):
+            await ag.rpc_async("worker1", os._exit, args=(3,), timeout=10)
+    finally:
+        await crashed.shutdown(graceful=False)
+    assert crashed.processes[0].returncode == 3
+    assert os.path.exists(os.path.join(crashed.logdir, "worker1.log"))  # noqa: ASYNC240
+    shutil.rmtree(crashed.logdir)
