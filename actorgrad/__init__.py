@@ -2,41 +2,73 @@
 
 from __future__ import annotations
 
-from . import autograd as autograd
-from . import collective as collective
-from . import optim as optim
-from . import parallel as parallel
-from . import rpc as _rpc
-from ._api import export_trace as export_trace
-from ._api import get_rank as get_rank
-from ._api import get_worker_info as get_worker_info
-from ._api import get_world_size as get_world_size
-from ._api import init_rpc as init_rpc
-from ._api import run as run
-from ._api import shutdown as shutdown
-from ._api import trace as trace
-from ._api import worker_setup as _worker_setup
-from ._errors import ActorgradError as ActorgradError
-from ._errors import ActorgradInternalError as ActorgradInternalError
-from ._errors import AuthenticationError as AuthenticationError
-from ._errors import CollectiveError as CollectiveError
-from ._errors import CollectiveRankLost as CollectiveRankLost
-from ._errors import ContextError as ContextError
-from ._errors import ProtocolError as ProtocolError
-from ._errors import RemoteError as RemoteError
-from ._errors import RpcTimeout as RpcTimeout
-from ._errors import WorkerLost as WorkerLost
-from .rpc import RRef as RRef
-from .rpc import remote as remote
-from .rpc import rpc_async as rpc_async
-from .rpc import rpc_sync as rpc_sync
-from .runtime import RpcOptions as RpcOptions
-from .runtime import WorkerInfo as WorkerInfo
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names below are; at run time they load on first use
+    from . import autograd as autograd
+    from . import collective as collective
+    from . import optim as optim
+    from . import parallel as parallel
+    from ._api import export_trace as export_trace
+    from ._api import get_rank as get_rank
+    from ._api import get_worker_info as get_worker_info
+    from ._api import get_world_size as get_world_size
+    from ._api import init_rpc as init_rpc
+    from ._api import run as run
+    from ._api import shutdown as shutdown
+    from ._api import trace as trace
+    from ._errors import ActorgradError as ActorgradError
+    from ._errors import ActorgradInternalError as ActorgradInternalError
+    from ._errors import AuthenticationError as AuthenticationError
+    from ._errors import CollectiveError as CollectiveError
+    from ._errors import CollectiveRankLost as CollectiveRankLost
+    from ._errors import ContextError as ContextError
+    from ._errors import ProtocolError as ProtocolError
+    from ._errors import RemoteError as RemoteError
+    from ._errors import RpcTimeout as RpcTimeout
+    from ._errors import WorkerLost as WorkerLost
+    from .autograd import backward as dist_backward
+    from .rpc import RRef as RRef
+    from .rpc import remote as remote
+    from .rpc import rpc_async as rpc_async
+    from .rpc import rpc_sync as rpc_sync
+    from .runtime import RpcOptions as RpcOptions
+    from .runtime import WorkerInfo as WorkerInfo
 
 __version__ = "0.1.0"
-dist_backward = autograd.backward
 
-_worker_setup.append(_rpc.install_handlers)
+# The public names and where they live. They are imported on first use, so a program
+# that needs none of them (the ``actorgrad launch`` command) starts without loading
+# torch; init_rpc loads every layer before it starts a worker (see _api.load_layers).
+_LAZY: dict[str, tuple[str, str | None]] = {
+    **{name: (f".{name}", None) for name in ("autograd", "collective", "optim", "parallel")},
+    **{name: ("._api", name) for name in (
+        "export_trace", "get_rank", "get_worker_info", "get_world_size", "init_rpc", "run",
+        "shutdown", "trace")},
+    **{name: ("._errors", name) for name in (
+        "ActorgradError", "ActorgradInternalError", "AuthenticationError", "CollectiveError",
+        "CollectiveRankLost", "ContextError", "ProtocolError", "RemoteError", "RpcTimeout",
+        "WorkerLost")},
+    **{name: (".rpc", name) for name in ("RRef", "remote", "rpc_async", "rpc_sync")},
+    **{name: (".runtime", name) for name in ("RpcOptions", "WorkerInfo")},
+    "dist_backward": (".autograd", "backward"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'actorgrad' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 async def local_group(world_size: int = 2, options: RpcOptions | None = None) -> object:
@@ -52,9 +84,10 @@ async def local_group(world_size: int = 2, options: RpcOptions | None = None) ->
 
 def rref_debug_info() -> dict[str, int]:
     """This worker's owner-side RRef table: ``num_owner_rrefs`` live values, ``num_forks``."""
+    from .rpc import owner_table
     from .runtime import get_worker
 
-    return _rpc.owner_table(get_worker()).debug_info()
+    return owner_table(get_worker()).debug_info()
 
 
 __all__ = (

@@ -16,6 +16,15 @@ T = TypeVar("T")
 worker_setup: list[Callable[[Worker], None]] = []
 
 
+def load_layers() -> None:
+    """Import the layers above the runtime: each adds its setup to ``worker_setup`` on
+    import, and every worker must serve all of them whatever its program imported."""
+    from . import autograd, collective, optim, parallel, rpc  # noqa: F401
+
+    if rpc.install_handlers not in worker_setup:
+        worker_setup.append(rpc.install_handlers)
+
+
 async def init_rpc(
     name: str,
     rank: int | None = None,
@@ -47,6 +56,7 @@ async def init_rpc(
            for w in _current._live_workers):
         raise ActorgradError(f"a worker named {name!r} is already running on this loop")
     remember_loop_thread(asyncio.get_running_loop())
+    load_layers()
     worker = Worker(name, rank, world_size, options)
     for setup in worker_setup:
         setup(worker)

@@ -14,8 +14,8 @@ SIGTERM, SIGHUP or SIGQUIT, every rank's process group is signalled, given a gra
 then killed; the launcher always waits for all of its children before it
 returns.
 
-This module uses the standard library only; the package's ``__init__`` still
-imports torch before it runs, which is most of the launcher's start-up time.
+This module uses the standard library only, and the package loads its public names
+on first use, so the launcher starts without importing torch.
 """
 
 from __future__ import annotations

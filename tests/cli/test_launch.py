@@ -277,3 +277,17 @@ def test_master_port_in_use_exits_2() -> None:
     assert str(port) in err
     assert "in use" in err
     assert "[rank" not in out + err
+
+
+def test_the_launcher_starts_without_importing_torch() -> None:
+    # the ranks import torch themselves; the launcher before them only waited for it
+    probe = ("import sys, actorgrad, actorgrad.cli; "
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+    # and the names of the package are there on first use
+    use = "import actorgrad as ag; print(ag.WorkerLost.__module__, ag.autograd.backward is ag.dist_backward)"
+    out = subprocess.run([sys.executable, "-c", use], env=_env(), capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["actorgrad", "True"]
