@@ -63,9 +63,10 @@ Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None
 PeerRef = str | int | WorkerInfo
 
 
-# What a remote function may raise that its caller gets as RemoteError. Other
-# BaseExceptions (SystemExit, KeyboardInterrupt) end the worker, as they would a script.
-_ANSWERED = (Exception, GeneratorExit, asyncio.CancelledError)
+# Whatever a remote function raises, SystemExit and KeyboardInterrupt included, its
+# caller gets as RemoteError, and the worker goes on serving (as torch's RPC does: a
+# remote sys.exit() is the function's failure, not the worker's end; a Ctrl-C reaches
+# the worker through its loop's signal handling, not through a served function).
 
 
 def describe_error(exc: BaseException) -> tuple[str, str, str]:
@@ -513,7 +514,7 @@ class Worker:
                 raise ProtocolError(f"{self.name} has no handler for {msg.target!r}")
             self.serving_request = msg.request_id
             reply = handler(peer, msg.payload)
-        except _ANSWERED as exc:  # no task here: a CancelledError is the function's own
+        except BaseException as exc:  # no task here: a CancelledError is the function's own
             peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
             return
         if isinstance(reply, Payload):
@@ -546,7 +547,7 @@ class Worker:
             if not _runs_in(task):
                 raise  # thrown in by close() (the loop is gone): nobody to answer
             response = Failure(request_id=request_id, payload=error_payload(exc))
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too (see the note above describe_error)
             response = Failure(request_id=request_id, payload=error_payload(exc))
         peer.serving.pop(request_id, None)
         if isinstance(response, Result):

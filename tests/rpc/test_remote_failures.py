@@ -65,6 +65,19 @@ async def raise_generator_exit_async() -> None:
     raise GeneratorExit()
 
 
+def raise_system_exit() -> None:
+    raise SystemExit(3)
+
+
+async def raise_system_exit_async() -> None:
+    await asyncio.sleep(0)
+    raise SystemExit(3)
+
+
+def raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt()
+
+
 def raise_value_error(message: str) -> None:
     raise ValueError(message)
 
@@ -133,7 +146,18 @@ async def test_generator_exit_raised_by_the_function(group2, to, func):
 
 
 @pytest.mark.parametrize("to", OWNERS)
-@pytest.mark.parametrize("func", [raise_cancelled, raise_generator_exit])
+@pytest.mark.parametrize("func", [raise_system_exit, raise_system_exit_async, raise_keyboard_interrupt])
+async def test_system_exit_raised_by_the_function_is_its_failure(group2, to, func):
+    # as in torch's RPC: the caller gets the error, the worker goes on serving
+    err = await fails_fast(ag.rpc_async(to, func, timeout=_LIMIT), ag.RemoteError)
+    assert type(err.__cause__) in (SystemExit, KeyboardInterrupt)
+    assert type(err.__cause__).__name__ == err.remote_type
+    assert func.__name__ in err.remote_traceback
+    assert await ag.rpc_async(to, square, args=(3,), timeout=_LIMIT) == 9
+
+
+@pytest.mark.parametrize("to", OWNERS)
+@pytest.mark.parametrize("func", [raise_cancelled, raise_generator_exit, raise_system_exit])
 async def test_base_exceptions_once_the_function_runs_inline(group2, monkeypatch, to, func):
     # A quick function is learned to run on the loop itself, in the message handler
     # (these read globals the bytecode check does not trust: let them pass it).
@@ -187,6 +211,7 @@ async def test_failed_creation_gives_remote_error(group2, owner):
         (raise_cancelled, "CancelledError"),
         (raise_cancelled_async, "CancelledError"),
         (raise_generator_exit, "GeneratorExit"),
+        (raise_system_exit, "SystemExit"),
         (raise_bad_str, "BadStr"),
     ],
 )
