@@ -8,7 +8,7 @@ import numbers
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .runtime import RpcOptions, Worker, WorkerInfo, _current, get_worker, remember_loop_thread
+from .runtime import RpcOptions, Worker, WorkerInfo, _current, get_worker
 
 T = TypeVar("T")
 
@@ -55,7 +55,6 @@ async def init_rpc(
     if any(not w.closed and w.loop is asyncio.get_running_loop() and w.name == name
            for w in _current._live_workers):
         raise ActorgradError(f"a worker named {name!r} is already running on this loop")
-    remember_loop_thread(asyncio.get_running_loop())
     load_layers()
     worker = Worker(name, rank, world_size, options)
     for setup in worker_setup:

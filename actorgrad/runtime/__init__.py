@@ -7,7 +7,6 @@ from ._current import maybe_worker as maybe_worker
 from ._options import RpcOptions as RpcOptions
 from ._options import WorkerInfo as WorkerInfo
 from ._sync import await_threadsafe as await_threadsafe
-from ._sync import remember_loop_thread as remember_loop_thread
 from ._sync import run_sync as run_sync
 from ._transport import PeerProtocol as PeerProtocol
 from ._worker import PeerRef as PeerRef

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,8 +31,12 @@ def blocking_calls() -> int:
 def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: float | None = None) -> T:
     """Run ``start()`` (which returns a future) on the worker's loop and block for it.
 
-    - From another thread (a remote function in the thread pool, a script thread): the
-      work is scheduled on the loop in the caller's contextvars (autograd context too).
+    - From a thread while another thread runs the loop (a remote function in the
+      thread pool, a script thread beside a loop thread): the work is scheduled on
+      the loop in the caller's contextvars (autograd context too).
+    - From a plain script, whose loop runs only while somebody drives it: the caller
+      runs the loop until its own work is done; threads that call meanwhile wait,
+      and take over driving when the driver is done before them.
     - From the loop's own thread while it runs (Jupyter, an ``async def`` that calls a
       blocking helper): re-enters the loop with ``nest_asyncio``, applied on demand.
     """
@@ -42,48 +47,70 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
         running = None
     if running is loop:
         return _reenter(loop, start)
-    if loop.is_running() and threading.current_thread() is not _loop_thread(loop):
-        note_blocking_call()
-        ctx = contextvars.copy_context()
-        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+    if loop.is_closed():
+        raise RuntimeError("the worker's event loop is closed")
+    note_blocking_call()
+    ctx = contextvars.copy_context()
+    result: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-        def begin() -> None:
-            try:
-                fut = ctx.run(start)
-            except BaseException as exc:
+    def begin() -> None:
+        try:
+            fut = ctx.run(start)
+        except BaseException as exc:
+            result.set_exception(exc)
+            return
+
+        def done(f: asyncio.Future[T]) -> None:
+            if f.cancelled():
+                result.cancel()
+            elif (exc := f.exception()) is not None:
                 result.set_exception(exc)
-                return
+            else:
+                result.set_result(f.result())
 
-            def done(f: asyncio.Future[T]) -> None:
-                if f.cancelled():
-                    result.cancel()
-                elif (exc := f.exception()) is not None:
-                    result.set_exception(exc)
-                else:
-                    result.set_result(f.result())
+        fut.add_done_callback(done)
 
-            fut.add_done_callback(done)
+    loop.call_soon_threadsafe(begin)
+    return _wait_driving(loop, result, timeout)
 
-        loop.call_soon_threadsafe(begin)
-        return result.result(timeout)
-    if not loop.is_running() and not loop.is_closed():
-        return loop.run_until_complete(_await(start))
-    raise RuntimeError("the worker's event loop is not running")
+
+_drivers: dict[int, threading.Lock] = {}  # per loop: held by the thread that runs it for run_sync
+_DRIVER_POLL = 0.005  # how often a waiting thread checks whether the loop still runs
+
+
+def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Future[T],
+                  timeout: float | None) -> T:
+    """Wait for ``result``; run the loop meanwhile whenever nobody else does."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    driver = _drivers.setdefault(id(loop), threading.Lock())
+    while True:
+        if not loop.is_running() and driver.acquire(blocking=False):
+            try:
+                if not loop.is_running() and not loop.is_closed():
+                    try:
+                        loop.run_until_complete(_until_done(result))
+                    except (Exception, asyncio.CancelledError):
+                        if not result.done():
+                            raise  # the loop could not be run here (another loop runs)
+                        # else: the call's own outcome, read from ``result`` below
+            finally:
+                driver.release()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError("the worker's loop did not complete the call in time")
+        try:
+            return result.result(_DRIVER_POLL if left is None else min(left, _DRIVER_POLL))
+        except concurrent.futures.TimeoutError:
+            if loop.is_closed():
+                raise RuntimeError("the worker's event loop was closed") from None
+
+
+async def _until_done(result: concurrent.futures.Future[Any]) -> None:
+    await asyncio.wrap_future(result)
 
 
 async def _await(start: Callable[[], asyncio.Future[T]]) -> T:
     return await start()
-
-
-_loop_threads: dict[int, threading.Thread] = {}
-
-
-def remember_loop_thread(loop: asyncio.AbstractEventLoop) -> None:
-    _loop_threads[id(loop)] = threading.current_thread()
-
-
-def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
-    return _loop_threads.get(id(loop))
 
 
 def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future[T]]) -> T:

@@ -834,3 +834,37 @@ async def test_rendezvous_store_frees_waiters_that_hang_up_and_bounds_what_it_ke
         assert sum(len(v) for v in server._data.values()) <= _MAX_BYTES
     finally:
         await server.close()
+
+
+def test_rpc_sync_from_threads_of_a_plain_script_whose_loop_nobody_runs(tmp_path):
+    """A plain script runs its loop only inside its own blocking calls: threads calling
+    rpc_sync at once must take turns driving it, never wait for a loop that stopped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import asyncio, os, threading, time, actorgrad as ag\n"
+        "def sq(x):\n"
+        "    time.sleep(0.01)\n"
+        "    return x * x\n"
+        "loop = asyncio.new_event_loop()\n"
+        f"loop.run_until_complete(ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}'))\n"
+        "results, errors = [], []\n"
+        "def body(i):\n"
+        "    for j in range(5):\n"
+        "        try:\n"
+        "            results.append(ag.rpc_sync('w0', sq, args=(i * 10 + j,)) == (i * 10 + j) ** 2)\n"
+        "        except BaseException as exc:\n"
+        "            errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=body, args=(i,)) for i in range(4)]\n"
+        "for t in threads: t.start()\n"
+        "body(9)\n"
+        "for t in threads: t.join(20)\n"
+        "print('DONE', sum(results), 'ERRORS', errors, flush=True)\n"
+        "if any(t.is_alive() for t in threads): os._exit(3)\n"
+        "loop.run_until_complete(ag.shutdown())\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert "DONE 25 ERRORS []" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr
