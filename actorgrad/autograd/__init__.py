@@ -28,8 +28,8 @@ class _Hooks(ContextActor):
     def __init__(self) -> None:
         pass
 
-    def before_send(self, worker, dst):
-        return _context_actor(worker).before_send(worker, dst)
+    def before_send(self, worker, dst, reply=False):
+        return _context_actor(worker).before_send(worker, dst, reply)
 
     def after_send(self, worker, meta, payload, dst):
         if meta is not None:

@@ -294,11 +294,14 @@ class ContextActor(CallHooks):
         return ctx
 
     # -- RPC hooks ------------------------------------------------------------------
-    def before_send(self, worker: Worker, dst: int) -> Any:
+    def before_send(self, worker: Worker, dst: int, reply: bool = False) -> Any:
         ctx = current_context.get()
-        if ctx is None or ctx.released or not _grad_enabled():
-            # under no_grad nothing is recorded, on either side (as torch): the callee
-            # runs outside the context and its result arrives as a leaf
+        if ctx is None or ctx.released or not (reply or _grad_enabled()):
+            # a call made under no_grad is not recorded, on either side (as torch): the
+            # callee runs outside the context and its result arrives as a leaf. A
+            # reply is recorded whatever the grad mode of the thread that sends it
+            # (the loop's is that of whichever coroutine is suspended there): its
+            # tensors that require grad are those the callee's function recorded.
             return None
         ctx.peers.add(dst)
         return (ctx.context_id, self.new_id())

@@ -138,7 +138,7 @@ def _take_back(undo: list[Callable[[], None]]) -> None:
 def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
     """Pickle a result (with autograd metadata) to send back to ``dst``."""
     hooks = _hooks.current()
-    meta = hooks.before_send(worker, dst)
+    meta = hooks.before_send(worker, dst, reply=True)
     payload = _dump_to(dst, (value, meta))
     hooks.after_send(worker, meta, payload, dst)
     return payload
@@ -255,7 +255,22 @@ def rpc_sync(
     """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
     calling another worker) and in Jupyter's running loop."""
     worker = get_worker()
-    return run_sync(worker, lambda: rpc_async(to, func, args, kwargs, timeout))
+    return run_sync(worker, _in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)))
+
+
+def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
+    """``start`` as it would run in this thread: run_sync runs it on the loop thread,
+    and grad mode (kept per thread by torch) decides whether the call is recorded in
+    the autograd context, so a remote function's ``torch.no_grad()`` block counts."""
+    grad = _is_grad_enabled()
+
+    def run() -> Any:
+        if _is_grad_enabled() is grad:
+            return start()
+        with torch.set_grad_enabled(grad):
+            return start()
+
+    return run
 
 
 def remote(
@@ -275,7 +290,8 @@ def remote(
         raise TypeError(f"remote func must be callable, got {type(func).__name__}")
     worker = get_worker()
     if not _on_loop(worker):
-        return run_sync(worker, lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout)))
+        return run_sync(worker, _in_callers_grad_mode(
+            lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout))))
     return create_remote(worker, to, func, args, kwargs, timeout)
 
 

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 class CallHooks:
     """Default hooks: no autograd recording."""
 
-    def before_send(self, worker: Worker, dst: int) -> Any:
-        """Metadata to embed in an outgoing payload (None when no context is active)."""
+    def before_send(self, worker: Worker, dst: int, reply: bool = False) -> Any:
+        """Metadata to embed in an outgoing payload (None when no context is active).
+
+        ``reply``: the payload is a callee's result, not a call."""
         return None
 
     def after_send(self, worker: Worker, meta: Any, payload: Payload, dst: int) -> None:

@@ -1,0 +1,69 @@
+"""Grad mode decides what an RPC records, and it is torch's per-thread state: the thread
+that makes a call must decide for it, never the loop thread that happens to send it.
+Gradients are compared with the same computation in plain local autograd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from _ag_helpers import assert_grads, local_copies
+
+import actorgrad as ag
+
+MODES = ["fast", "smart"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_reply_is_recorded_while_another_callee_waits_under_no_grad(make_process_group, mode):
+    # worker1 serves a coroutine that waits inside torch.no_grad(), which leaves its
+    # loop thread in no_grad meanwhile; its reply to a graded call made in a context
+    # must still be recorded (it was lost: no gradient in SMART, an "unused RPC" in FAST)
+    await make_process_group(2)
+
+    async def evaluate(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            await asyncio.sleep(0.5)
+            return x * 2
+
+    def times3(w: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)  # runs on worker1's thread pool
+        return w * 3
+
+    for fn in (times3, torch.mul):  # a pool function, and a builtin run on the loop
+        args = (3.0,) if fn is torch.mul else ()
+        w = torch.rand(3, requires_grad=True)
+        async with ag.autograd.context() as cid:
+            waiting = asyncio.ensure_future(ag.rpc_async("worker1", evaluate, args=(torch.ones(3),)))
+            await asyncio.sleep(0.1)
+            y = await ag.rpc_async("worker1", fn, args=(w, *args))
+            await ag.autograd.backward(cid, [(y * y).sum()], mode=mode)
+            grads = ag.autograd.get_gradients(cid)
+            await waiting
+        (lw,) = local_copies(w)
+        ((lw * 3) ** 2).sum().backward()
+        assert_grads(grads, [(w, lw.grad)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_rpc_sync_in_a_remote_function_follows_its_threads_no_grad(group3, mode):
+    # worker1's function runs on a pool thread; its rpc_sync under no_grad must not be
+    # recorded (it was: the call was sent from the loop thread, whose grad mode is on)
+    def on_worker1(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            m = ag.rpc_sync("worker2", torch.mul, args=(x, 2.0))
+        assert torch.is_grad_enabled() and m.grad_fn is None  # arrived as a leaf
+        with torch.enable_grad():
+            n = ag.rpc_sync("worker2", torch.mul, args=(x, 5.0))
+        return x * 3 + m + n
+
+    x = torch.rand(4, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        y = await ag.rpc_async("worker1", on_worker1, args=(x,))
+        await ag.autograd.backward(cid, [y.sum()], mode=mode)
+        grads = ag.autograd.get_gradients(cid)
+    (lx,) = local_copies(x)
+    (lx * 3 + (lx * 2).detach() + lx * 5).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
