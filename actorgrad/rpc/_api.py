@@ -214,7 +214,7 @@ def send_request(
 def rpc_async(
     to: PeerRef,
     func: Callable[..., T],
-    args: tuple[Any, ...] = (),
+    args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> asyncio.Future[T]:
@@ -241,14 +241,14 @@ def rpc_async(
         raise RuntimeError(
             "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
         )
-    _, reply = send_request(worker, to, "rpc.call", (func, tuple(args), dict(kwargs or {})), timeout, True)
+    _, reply = send_request(worker, to, "rpc.call", (func, tuple(args or ()), dict(kwargs or {})), timeout, True)
     return reply
 
 
 def rpc_sync(
     to: PeerRef,
     func: Callable[..., T],
-    args: tuple[Any, ...] = (),
+    args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> T:
@@ -276,7 +276,7 @@ def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
 def remote(
     to: PeerRef,
     func: Callable[..., T],
-    args: tuple[Any, ...] = (),
+    args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> Any:

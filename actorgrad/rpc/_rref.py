@@ -325,7 +325,7 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
         fork = None
     try:
         _, reply = _api.send_request(
-            worker, owner, "rref.create", (rref_id, fork, func, tuple(args), dict(kwargs or {})), timeout
+            worker, owner, "rref.create", (rref_id, fork, func, tuple(args or ()), dict(kwargs or {})), timeout
         )
     except BaseException:
         table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it

@@ -85,14 +85,28 @@ class RpcOptions:
     socket_buffer_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
-        if self.rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be >= 0, got {self.rpc_timeout}")
-        if self.socket_buffer_bytes < 0:
-            raise ValueError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
-        if self.spin_us < 0:
-            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
-        if self.num_worker_threads < 1:
-            raise ValueError("num_worker_threads must be >= 1")
+        # (name, least value, whether the least value itself is allowed, whole numbers only)
+        for name, least, inclusive, whole in (
+            ("rpc_timeout", 0, True, False),  # 0: no limit
+            ("heartbeat_interval", 0, False, False),  # 0 would ping in a busy loop
+            ("heartbeat_timeout", 0, False, False),
+            ("init_timeout", 0, False, False),
+            ("shutdown_timeout", 0, True, False),
+            ("spin_us", 0, True, False),
+            ("listen_port", 0, True, True),
+            ("num_worker_threads", 1, True, True),
+            ("max_frame_size", 1 << 16, True, True),  # room for the handshake and headers
+            ("socket_buffer_bytes", 0, True, True),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+                kind = "an int" if whole else "a number"
+                raise TypeError(f"RpcOptions.{name} must be {kind}, got {type(value).__name__} {value!r}")
+            if value != value or value < least or (value == least and not inclusive):  # NaN too
+                bound = f">= {least}" if inclusive else f"> {least}"
+                raise ValueError(f"RpcOptions.{name} must be {bound}, got {value!r}")
+        if self.listen_port > 65535:
+            raise ValueError(f"RpcOptions.listen_port must be <= 65535, got {self.listen_port}")
         if (self.ssl_context is None) != (self.ssl_client_context is None):
             raise ValueError(
                 "TLS needs both ssl_context (listening) and ssl_client_context (connecting)"

@@ -555,3 +555,8 @@ async def test_2000_calls_in_flight(group2):
     for i, r in enumerate(results[: n // 2]):
         assert torch.equal(r, torch.full((2,), 3.0 * i))
     assert results[n // 2 :] == [i * i for i in range(n // 2)]
+
+
+async def test_args_none_means_no_arguments_as_in_torch(group2):
+    assert await ag.rpc_async("worker1", where_am_i, args=None) == "worker1"
+    assert await ag.remote("worker1", where_am_i, args=None, kwargs=None).to_here() == "worker1"

@@ -319,6 +319,27 @@ async def test_init_rpc_names_the_argument_of_the_wrong_type(kwargs, named):
         await ag.init_rpc(**args)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "named"),
+    [({"rpc_timeout": float("nan")}, ValueError, "rpc_timeout"),
+     ({"heartbeat_interval": 0}, ValueError, "heartbeat_interval"),
+     ({"heartbeat_timeout": -1.0}, ValueError, "heartbeat_timeout"),
+     ({"init_timeout": -1}, ValueError, "init_timeout"),
+     ({"shutdown_timeout": float("nan")}, ValueError, "shutdown_timeout"),
+     ({"max_frame_size": 0}, ValueError, "max_frame_size"),
+     ({"listen_port": 70000}, ValueError, "listen_port"),
+     ({"listen_port": -1}, ValueError, "listen_port"),
+     ({"num_worker_threads": 2.5}, TypeError, "num_worker_threads"),
+     ({"num_worker_threads": True}, TypeError, "num_worker_threads"),
+     ({"rpc_timeout": "60"}, TypeError, "rpc_timeout")],
+)
+def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, named):
+    # (NaN as a timeout meant no limit at all; a heartbeat interval of 0 spun the loop)
+    with pytest.raises(error, match=named):
+        ag.RpcOptions(**kwargs)
+    assert ag.RpcOptions(rpc_timeout=float("inf"), listen_port=65535).rpc_timeout == float("inf")
+
+
 async def test_unsupported_init_method():
     with pytest.raises(ValueError):
         await ag.init_rpc("bad", rank=0, world_size=1, init_method="udp://127.0.0.1:1")
