@@ -144,7 +144,8 @@ class _Pickler(cloudpickle.Pickler):
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
         a tensor torch's own pickling handles."""
         code = _DTYPE_CODES.get(obj.dtype)
-        if code is None or obj.layout is not _strided or obj.is_quantized or obj.dim() > _MAX_DIMS:
+        if (code is None or obj.layout is not _strided or obj.is_quantized or obj.is_nested
+                or obj.dim() > _MAX_DIMS):
             return None  # torch's own (in-band) pickling handles the exotic ones
         self.tensors.append(obj)
         shape = obj.shape
