@@ -113,13 +113,13 @@ forks_made: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvar
     "actorgrad_forks_made", default=None)
 
 
-def _dump_to(dst: int, obj: Any, undo: list[Callable[[], None]] | None = None) -> Payload:
+def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] | None = None) -> Payload:
     """Pickle ``obj`` for ``dst``; the RRef forks it registers go into ``undo``, and are
     taken back at once when pickling fails (an unpicklable argument beside an RRef)."""
     undo = [] if undo is None else undo
     token, forks_token = sending_to.set(dst), forks_made.set(undo)
     try:
-        return Payload.dump(obj)
+        return Payload.dump(obj, main_by_name=worker.same_program(dst))
     except BaseException:
         _take_back(undo)
         raise
@@ -139,7 +139,7 @@ def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
     """Pickle a result (with autograd metadata) to send back to ``dst``."""
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst, reply=True)
-    payload = _dump_to(dst, (value, meta))
+    payload = _dump_to(worker, dst, (value, meta))
     hooks.after_send(worker, meta, payload, dst)
     return payload
 
@@ -198,7 +198,7 @@ def send_request(
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
     undo: list[Callable[[], None]] = []
-    payload = _dump_to(dst, (*obj_without_meta, meta), undo)
+    payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
     try:
         reply = worker.call(dst, target, payload, timeout, decode)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import contextvars
 import gc
+import hashlib
 import inspect
 import ipaddress
 import json
@@ -18,6 +19,7 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -121,6 +123,8 @@ class Worker:
         self.auth_key: bytes | None = key.encode() if isinstance(key, str) else (key or None)
         self.loop = asyncio.get_running_loop()
         self.infos: dict[int, WorkerInfo] = {}
+        self.program = program_identity()
+        self._programs: dict[int, str | None] = {}  # what each peer runs (see same_program)
         self._known: dict[str | int, WorkerInfo] = {}  # names and ranks looked up so far
         self.peers: dict[int, PeerProtocol] = {}
         self.closed = False
@@ -158,6 +162,11 @@ class Worker:
         self.register("trace.collect", lambda peer, payload: Payload.dump(self.tracer.snapshot()))
 
     # -- identity -------------------------------------------------------------------
+    def same_program(self, rank: int) -> bool:
+        """Whether worker ``rank`` runs this process's ``__main__`` (the same script, or
+        this very process): its functions then travel by name (see wire._main_functions)."""
+        return rank == self.rank or self._programs.get(rank) == self.program
+
     @property
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.name, self.rank)
@@ -244,7 +253,8 @@ class Worker:
             for rank in range(self.world_size):
                 if rank != self.rank:
                     self._peer_waiters[rank] = self.loop.create_future()
-            me: dict[str, Any] = {"name": self.name, "host": advertise, "port": listen_port}
+            me: dict[str, Any] = {"name": self.name, "host": advertise, "port": listen_port,
+                                  "program": self.program}
             if local is not None:
                 me["local"] = [local[1], _local.host_identity()]
             held = await self._store.claim(f"worker/{self.rank}", json.dumps(me))
@@ -260,6 +270,7 @@ class Worker:
                 entry = json.loads(value)
                 rank = int(key.split("/", 1)[1])
                 self.infos[rank] = WorkerInfo(entry["name"], rank)
+                self._programs[rank] = entry.get("program")
                 addresses[rank] = (entry["host"], int(entry["port"]))
                 local_addresses[rank] = entry.get("local")
             names = [i.name for i in self.infos.values()]
@@ -820,6 +831,19 @@ class Worker:
                     closer()
                 except Exception:
                     log.exception("%s: closing %s failed", self.name, name)
+
+
+def program_identity() -> str:
+    """What this process runs, to tell whether another runs the same ``__main__``: the
+    contents of its file, or this process for one without a file (a notebook, -c)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                return "file:" + hashlib.sha256(f.read()).hexdigest()[:32]
+        except OSError:
+            pass
+    return f"process:{socket.gethostname()}:{os.getpid()}"
 
 
 def _is_loopback(host: str | None) -> bool:

@@ -2,11 +2,12 @@
 
 # Theory of operation
 A payload is pickled with protocol 5 by cloudpickle, so lambdas, closures and anything
-defined in ``__main__`` travel by value. Two hot spots of cloudpickle are shortcut
-without changing its output: the "is this function/class importable by reference on
-the other side?" test is remembered per object (and forgotten whenever a module is
-registered for pickling by value), and its reducer table is a dict instead of a
-``ChainMap``.
+defined in ``__main__`` travel by value (except the functions of ``__main__`` sent to a
+worker that runs the same program: by name, see ``_main_functions``). Two hot spots of
+cloudpickle are shortcut without changing its output: the "is this function/class
+importable by reference on the other side?" test is remembered per object (and
+forgotten whenever a module is registered for pickling by value), and its reducer table
+is a dict instead of a ``ChainMap``.
 
 Every ``torch.Tensor`` (or ``nn.Parameter``) inside a payload is pickled as a call of
 ``_tensor`` on a small descriptor (``reducer_override``; the pickler consults it only
@@ -48,6 +49,7 @@ import cloudpickle
 import torch
 
 from .._errors import ProtocolError
+from ._main_functions import fingerprint, is_main_function, main_function
 
 INBAND_MAX_BYTES = 8 << 10  # tensors up to this size travel inside the pickle body
 
@@ -139,6 +141,7 @@ class _Pickler(cloudpickle.Pickler):
         super().__init__(self.file, protocol=5)
         self.tensors: list[torch.Tensor] = []
         self.buffers: list[memoryview] = []
+        self.main_by_name = False  # see Payload.dump
 
     def _describe(self, obj: torch.Tensor) -> bytes | None:
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
@@ -164,6 +167,9 @@ class _Pickler(cloudpickle.Pickler):
             descriptor = self._describe(obj)
             return NotImplemented if descriptor is None else (_tensor, (descriptor,))
         if cls is _FunctionType or cls is type:
+            if self.main_by_name and cls is _FunctionType and obj.__module__ == "__main__" \
+                    and is_main_function(obj):
+                return (main_function, (obj.__qualname__, fingerprint(obj.__code__)))
             if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
                 return NotImplemented
             reduced = super().reducer_override(obj)
@@ -303,12 +309,16 @@ class Payload:
         self.tensors: list[torch.Tensor] = []
 
     @classmethod
-    def dump(cls, obj: Any) -> Payload:
-        """Pickle ``obj``; tensors become descriptors (plus zero-copy byte views)."""
+    def dump(cls, obj: Any, main_by_name: bool = False) -> Payload:
+        """Pickle ``obj``; tensors become descriptors (plus zero-copy byte views).
+
+        ``main_by_name``: the receiver runs the same program as this process: functions
+        of ``__main__`` go by name, to be found there (see ``_main_functions``)."""
         try:
             pickler = _free_picklers.pop()
         except IndexError:
             pickler = _Pickler()
+        pickler.main_by_name = main_by_name
         pickler.dump(obj)  # on failure the pickler is dropped, not reused
         payload = cls(pickler.file.getvalue())
         payload.tensors = pickler.tensors

@@ -1,0 +1,184 @@
+"""Functions of a program's ``__main__``: the callee's own where it runs the same
+program (as torch finds them by name), a copy by value where it does not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from actorgrad.wire import Payload
+from actorgrad.wire._main_functions import fingerprint
+
+ROOT = Path(__file__).parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ACTORGRAD_AUTH_KEY", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+# The parameter-server idiom of torch's RPC tutorials: module state on the callee (a
+# dict it fills, a counter, a server created once under a global lock).
+STATEFUL = """
+import os, threading
+import actorgrad as ag
+
+rank = int(os.environ["RANK"])
+STATE = {}
+COUNTER = 0
+WHO = f"rank{rank}"
+server = None
+lock = threading.Lock()
+
+def put(k, v):
+    STATE[k] = v
+
+def get(k):
+    return STATE.get(k)
+
+def bump():
+    global COUNTER
+    COUNTER += 1
+    return COUNTER
+
+def who():
+    return WHO
+
+class Server:
+    def __init__(self):
+        self.calls = 0
+
+def call_server():
+    global server
+    with lock:
+        if server is None:
+            server = Server()
+        server.calls += 1
+        return server.calls
+
+async def main():
+    await ag.init_rpc(f"worker{rank}")
+    if rank == 0:
+        await ag.rpc_async("worker1", put, args=("a", 1))
+        print("GET", await ag.rpc_async("worker1", get, args=("a",)))
+        print("BUMP", await ag.rpc_async("worker1", bump), await ag.rpc_async("worker1", bump))
+        print("WHO", await ag.rpc_async("worker1", who))
+        print("SERVER", [await ag.rpc_async("worker1", call_server) for _ in range(3)])
+        print("HERE", STATE, COUNTER, server)
+    await ag.shutdown()
+
+ag.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_launched_ranks_use_their_own_module_state_as_in_torch(tmp_path):
+    script = tmp_path / "stateful.py"
+    script.write_text(STATEFUL)
+    proc = subprocess.run([sys.executable, "-m", "actorgrad", "launch", "--nproc", "2", str(script)],
+                          env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "GET 1" in out  # the put landed in worker1's STATE (a copy of it, before)
+    assert "BUMP 1 2" in out
+    assert "WHO rank1" in out
+    assert "SERVER [1, 2, 3]" in out  # refers to a global lock: could not be sent by value
+    assert "HERE {} 0 None" in out  # and the caller's module was left alone
+
+
+ELSEWHERE = """
+import asyncio
+import actorgrad as ag
+
+OFFSET = 10
+
+def add_offset(x):
+    return x + OFFSET
+
+async def main():
+    group = await ag.local_group(2)  # worker1 runs another program: it gets a copy
+    try:
+        print("BY VALUE", await ag.rpc_async("worker1", add_offset, args=(1,)))
+        print("SAME OBJECT HERE", await ag.rpc_async("worker0", add_offset, args=(1,)))
+    finally:
+        await group.shutdown()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_that_runs_another_program_gets_a_copy(tmp_path):
+    script = tmp_path / "elsewhere.py"
+    script.write_text(ELSEWHERE)
+    proc = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "BY VALUE 11" in proc.stdout
+    assert "SAME OBJECT HERE 11" in proc.stdout
+
+
+DIFFERS = """
+import os
+import actorgrad as ag
+
+rank = int(os.environ["RANK"])
+if rank == 0:
+    def only_here():
+        return 1
+
+async def main():
+    await ag.init_rpc(f"worker{rank}")
+    if rank == 0:
+        try:
+            await ag.rpc_async("worker1", only_here)
+        except ag.RemoteError as exc:
+            print("REFUSED", exc.remote_type, exc.remote_message)
+    await ag.shutdown()
+
+ag.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_function_the_same_program_lacks_elsewhere_is_named(tmp_path):
+    script = tmp_path / "differs.py"
+    script.write_text(DIFFERS)
+    proc = subprocess.run([sys.executable, "-m", "actorgrad", "launch", "--nproc", "2", str(script)],
+                          env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    refused = proc.stdout.split("REFUSED", 1)[1]
+    assert "LookupError" in refused and "__main__.only_here" in refused and "no function" in refused
+
+
+def test_the_fingerprint_tells_code_apart_and_is_the_same_in_another_process():
+    def one() -> int:
+        return 1
+
+    def two() -> int:
+        return 2  # same bytecode as one: only a constant differs
+
+    assert fingerprint(one.__code__)[2] != fingerprint(two.__code__)[2]
+    source = textwrap.dedent("""
+        def f(x):
+            return x in {"a", "b", "c"} and (lambda y: y + 1)(2)
+    """)
+    probe = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+             "from actorgrad.wire._main_functions import fingerprint\n"
+             f"exec({source!r})\nprint(fingerprint(f.__code__))")
+    prints = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                             env={**_env(), "PYTHONHASHSEED": seed}, check=True).stdout
+              for seed in ("1", "2", "3")}
+    assert len(prints) == 1  # string hashing differs between them; the fingerprint does not
+
+
+def test_functions_of_other_modules_are_not_affected():
+    body = bytes(Payload.dump(textwrap.dedent).body)  # by reference, as before
+    assert b"textwrap" in body and b"_main_functions" not in body
