@@ -148,6 +148,7 @@ class RRef(Generic[T]):
         self._id = rref_id
         self._fork = fork
         self._value = value  # set on the owner only
+        self._creation: asyncio.Future[Any] | None = None  # the remote() call that made it
 
     @classmethod
     def _make(cls, worker: Worker, owner: int, rref_id: RRefId, fork: ForkId | None,
@@ -168,6 +169,15 @@ class RRef(Generic[T]):
 
     def is_owner(self) -> bool:
         return self._owner == self._worker.rank
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner is known to keep the value for this RRef: always on the owner
+        and for an RRef received from another worker (its sender registered it with the
+        owner before sending it); for one made by ``remote()``, once creating the value
+        succeeded there."""
+        creation = self._creation
+        return creation is None or (creation.done() and not creation.cancelled()
+                                    and creation.exception() is None)
 
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
@@ -226,6 +236,26 @@ class RRef(Generic[T]):
             raise exc  # a fetch from elsewhere passes these through too (Worker._remote_error)
         raise RemoteError(worker.name, *describe_error(exc)) from exc
 
+    async def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run a backward pass from the value (a scalar tensor) as its root, as torch's
+        ``RRef.backward``: with a distributed autograd context id, a distributed
+        backward started on the owner (read the gradients with ``get_gradients``);
+        with -1, a local backward, on the owner only."""
+        if dist_autograd_ctx_id == -1:
+            if not self.is_owner():
+                raise RuntimeError(
+                    f"a local backward of {self!r} runs on its owner only; pass a distributed "
+                    "autograd context id to start a distributed backward there"
+                )
+            value: Any = await self.to_here()
+            value.backward(retain_graph=retain_graph)
+            return
+        if self.is_owner():
+            await _backward_here(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            done: Any = _api.rpc_async(self._owner, _backward_here, args=(self, dist_autograd_ctx_id, retain_graph))
+            await done
+
     # -- proxies --------------------------------------------------------------------
     def rpc_async(self, timeout: float | None = None) -> Any:
         """``await rref.rpc_async().method(*args)`` runs ``value.method`` on the owner."""
@@ -262,6 +292,13 @@ class RRef(Generic[T]):
             else:
                 made.append(lambda: worker.tell(owner, "rref.del_fork", Payload.dump((rref_id, fork))))
         return (_rebuild, (owner, rref_id, fork))
+
+
+async def _backward_here(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    """RRef.backward on the owner (the autograd layer sits above this one)."""
+    from ..autograd import backward
+
+    await backward(context_id, [rref.local_value()], retain_graph=retain_graph)
 
 
 def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:
@@ -331,7 +368,9 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
         table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it
         raise
     reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface on use
-    return RRef._make(worker, owner, rref_id, fork, value)
+    rref = RRef._make(worker, owner, rref_id, fork, value)
+    rref._creation = reply
+    return rref
 
 
 def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseException) -> BaseException:

@@ -544,3 +544,49 @@ async def test_own_remote_value_survives_a_fork_taken_back_before_it_is_created(
     with pytest.raises(TypeError, match="pickle"):
         ag.rpc_async("worker1", takes_anything, args=(rref, threading.Lock()))
     assert torch.equal(await rref.to_here(timeout=10), torch.arange(3.0))
+
+
+# --------------------------------------------------------------------------------------
+# torch's RRef extras: confirmed_by_owner() and backward()
+
+
+def failing_make() -> None:
+    raise ValueError("no value")
+
+
+def rref_of_loss(w: torch.Tensor) -> ag.RRef:
+    return ag.RRef((w * w).sum())
+
+
+async def test_confirmed_by_owner(group2):
+    slow = ag.remote("worker1", slow_make, args=(0.3, 3))
+    assert not slow.confirmed_by_owner()  # its creation has not answered yet
+    await slow.to_here()
+    assert slow.confirmed_by_owner()
+    failed = ag.remote("worker1", failing_make)
+    with contextlib.suppress(ag.RemoteError):
+        await failed.to_here()
+    assert not failed.confirmed_by_owner()
+    assert ag.RRef(torch.ones(1)).confirmed_by_owner()  # the owner's own
+
+
+async def test_rref_backward_starts_a_distributed_backward_on_the_owner(group2):
+    # the loss lives on worker1 (an RRef), computed from a tensor sent from here
+    w = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        loss = await ag.rpc_async("worker1", rref_of_loss, args=(w,))
+        assert loss.owner_name() == "worker1"
+        await loss.backward(cid)
+        grads = ag.autograd.get_gradients(cid)
+    assert torch.allclose(grads[w], 2 * w.detach())  # d/dw sum(w*w), as local autograd gives
+    assert w.grad is None
+
+
+async def test_rref_backward_without_a_context_is_local_and_on_the_owner_only(group2):
+    w = torch.rand(3, requires_grad=True)
+    here = ag.RRef((w * 3).sum())
+    await here.backward()
+    assert torch.equal(w.grad, torch.full((3,), 3.0))
+    there = ag.remote("worker1", torch.ones, args=(1,))
+    with pytest.raises(RuntimeError, match="owner"):
+        await there.backward()
