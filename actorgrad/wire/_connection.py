@@ -31,6 +31,7 @@ from ._codec import Payload
 from ._frames import (
     DEFAULT_MAX_BUFFERS,
     DEFAULT_MAX_FRAME_SIZE,
+    HANDSHAKE_STAGING_BYTES,
     Frame,
     FrameDecoder,
     encode_frame,
@@ -190,6 +191,7 @@ class Connection:
             max_frame_size=max_frame_size,
             max_buffers=max_buffers,
             known_kinds=frozenset(int(k) for k in Kind),
+            staging_bytes=HANDSHAKE_STAGING_BYTES,
         )
         self._decoder.restricted_kinds = frozenset({Kind.HELLO, Kind.AUTH, Kind.GOODBYE})
         self._outbox: list[bytes | bytearray | memoryview] = _encode(

@@ -46,6 +46,9 @@ _HEADER_UNPACK = HEADER.unpack_from
 DEFAULT_MAX_FRAME_SIZE = 4 << 30
 DEFAULT_MAX_BUFFERS = 4096
 _STAGING_BYTES = 256 << 10
+# Until the handshake completes a connection needs room for a few small frames only: a
+# smaller staging area keeps unauthenticated connections cheap (a full one is 256 KiB).
+HANDSHAKE_STAGING_BYTES = 16 << 10
 _DIRECT_MIN_BYTES = 64 << 10  # read larger remainders straight into tensor memory
 _HUGE_PAGE_MIN_BYTES = 2 << 20
 _HUGE_PAGE = 2 << 20
@@ -120,11 +123,12 @@ class FrameDecoder:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_buffers: int = DEFAULT_MAX_BUFFERS,
         known_kinds: frozenset[int] = frozenset(),
+        staging_bytes: int = _STAGING_BYTES,
     ) -> None:
         self.max_frame_size = max_frame_size
         self.max_buffers = max_buffers
         self.known_kinds = known_kinds
-        self._staging = bytearray(_STAGING_BYTES)
+        self._staging = bytearray(staging_bytes)
         self._view = memoryview(self._staging)
         self._start = 0  # first unconsumed byte in staging
         self._end = 0  # end of received bytes in staging
@@ -214,6 +218,12 @@ class FrameDecoder:
     def lift_restriction(self) -> None:
         """The handshake completed: accept every kind and size again."""
         self.restricted_kinds = None
+        if len(self._staging) < _STAGING_BYTES:  # the full staging area, for data frames
+            staging = bytearray(_STAGING_BYTES)
+            pending = self._end - self._start
+            staging[:pending] = self._staging[self._start : self._end]
+            self._staging, self._view = staging, memoryview(staging)
+            self._start, self._end = 0, pending
         self._parse_safely()
         if self._spill:
             spill, self._spill = self._spill, bytearray()

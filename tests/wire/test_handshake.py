@@ -97,6 +97,28 @@ def test_handshake_bytes_arrive_in_any_grouping():
     assert got == call and got.payload.load() == "hi"
 
 
+def test_a_connection_holds_a_small_receive_area_until_it_is_authenticated():
+    """Each accepted connection used to hold 256 KiB before anyone proved the key; a
+    flood of unauthenticated connections cost that much each until their deadline."""
+    from actorgrad.wire._frames import HANDSHAKE_STAGING_BYTES
+
+    a = Connection(name="a", rank=0, auth_key=b"k", initiator=True)
+    b = Connection(name="b", rank=1, auth_key=b"k")
+    assert len(b._decoder._staging) == HANDSHAKE_STAGING_BYTES <= 16 << 10
+    hello_a = flatten(a.data_to_send())
+    b.receive_data(hello_a)
+    assert b.next_event() is None and len(b._decoder._staging) == HANDSHAKE_STAGING_BYTES
+    a.receive_data(flatten(b.data_to_send()))  # b's HELLO and AUTH
+    assert isinstance(a.next_event(), Established)
+    # a's AUTH arrives with a large call right behind it, in one piece
+    big = Call(request_id=7, target="t", payload=Payload.dump(b"x" * (100 << 10)))
+    b.receive_data(flatten(a.data_to_send()) + flatten(a.send(big)))
+    assert isinstance(b.next_event(), Established)
+    got = b.next_event()
+    assert got == big and got.payload.load() == b"x" * (100 << 10)
+    assert len(b._decoder._staging) > HANDSHAKE_STAGING_BYTES  # the full area for data
+
+
 def test_different_keys_fail_on_both_sides():
     a = Connection(name="a", rank=0, auth_key=b"key-one")
     b = Connection(name="b", rank=1, auth_key=b"key-two")
