@@ -24,6 +24,17 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run(tmp_path: Path, source: str, *launch: str) -> str:
+    """Run ``source`` as a script (under ``actorgrad launch`` with ``launch`` arguments,
+    or alone); its stdout, after checking that it succeeded."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    command = [sys.executable, *(("-m", "actorgrad", "launch", *launch) if launch else ()), str(script)]
+    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 # The parameter-server idiom of torch's RPC tutorials: module state on the callee (a
 # dict it fills, a counter, a server created once under a global lock).
 STATEFUL = """
@@ -80,12 +91,7 @@ ag.run(main())
 
 @pytest.mark.slow
 def test_launched_ranks_use_their_own_module_state_as_in_torch(tmp_path):
-    script = tmp_path / "stateful.py"
-    script.write_text(STATEFUL)
-    proc = subprocess.run([sys.executable, "-m", "actorgrad", "launch", "--nproc", "2", str(script)],
-                          env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = _run(tmp_path, STATEFUL, "--nproc", "2")
     assert "GET 1" in out  # the put landed in worker1's STATE (a copy of it, before)
     assert "BUMP 1 2" in out
     assert "WHO rank1" in out
@@ -116,13 +122,9 @@ asyncio.run(main())
 
 @pytest.mark.slow
 def test_a_worker_that_runs_another_program_gets_a_copy(tmp_path):
-    script = tmp_path / "elsewhere.py"
-    script.write_text(ELSEWHERE)
-    proc = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "BY VALUE 11" in proc.stdout
-    assert "SAME OBJECT HERE 11" in proc.stdout
+    out = _run(tmp_path, ELSEWHERE)
+    assert "BY VALUE 11" in out
+    assert "SAME OBJECT HERE 11" in out
 
 
 DIFFERS = """
@@ -149,12 +151,7 @@ ag.run(main())
 
 @pytest.mark.slow
 def test_a_function_the_same_program_lacks_elsewhere_is_named(tmp_path):
-    script = tmp_path / "differs.py"
-    script.write_text(DIFFERS)
-    proc = subprocess.run([sys.executable, "-m", "actorgrad", "launch", "--nproc", "2", str(script)],
-                          env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    refused = proc.stdout.split("REFUSED", 1)[1]
+    refused = _run(tmp_path, DIFFERS, "--nproc", "2").split("REFUSED", 1)[1]
     assert "LookupError" in refused and "__main__.only_here" in refused and "no function" in refused
 
 

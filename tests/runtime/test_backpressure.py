@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -61,14 +62,20 @@ async def test_a_peer_that_stops_reading_gets_no_more_work_and_is_dropped(make_g
     assert torch.equal(await asyncio.wait_for(ag.rpc_async("worker1", torch.neg, args=(x,)), 10), -x)
 
 
-async def test_calls_of_a_slow_reader_wait_and_run_in_order(make_group):
+async def _fill_worker1s_buffer(make_group) -> tuple[Any, asyncio.Transport, list[Any]]:
+    """worker0 stops reading and asks worker1 for 128 MiB: worker1's buffer to it fills
+    (past the 64 MiB high-water mark), so the calls worker0 makes from now on wait."""
     group = await make_group(2)
-    w0 = group.workers[0]
     served_order.clear()
-    transport = w0.peers[1].transport
+    transport = group.workers[0].peers[1].transport
     transport.pause_reading()
     bigs = [ag.rpc_async("worker1", big, args=(i,), timeout=30) for i in range(8)]
-    await asyncio.sleep(0.5)  # worker1's replies fill its buffer: the calls from now on wait
+    await asyncio.sleep(0.5)
+    return group, transport, bigs
+
+
+async def test_calls_of_a_slow_reader_wait_and_run_in_order(make_group):
+    group, transport, bigs = await _fill_worker1s_buffer(make_group)
     smalls = [ag.rpc_async("worker1", record, args=(i,), timeout=30) for i in range(20)]
     await asyncio.sleep(0.2)
     to_w0 = group.workers[1].peers[0]
@@ -82,13 +89,7 @@ async def test_calls_of_a_slow_reader_wait_and_run_in_order(make_group):
 
 
 async def test_cancelled_call_that_waits_for_a_slow_reader_never_runs(make_group):
-    group = await make_group(2)
-    w0 = group.workers[0]
-    served_order.clear()
-    transport = w0.peers[1].transport
-    transport.pause_reading()
-    bigs = [ag.rpc_async("worker1", big, args=(i,), timeout=30) for i in range(8)]
-    await asyncio.sleep(0.5)
+    _, transport, bigs = await _fill_worker1s_buffer(make_group)
     waiting = ag.rpc_async("worker1", record, args=(1,), timeout=30)
     await asyncio.sleep(0.1)
     waiting.cancel()
