@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._errors import AuthenticationError, ProtocolError
-from ..wire import Call, Connection, Established, Heartbeat, Message, State
+from ..wire import Call, Connection, Established, Heartbeat, Message, State, Tell
 
 if TYPE_CHECKING:
     from ._worker import Worker
@@ -54,9 +54,11 @@ class PeerProtocol(asyncio.BufferedProtocol):
         # buffer drains, so a peer that stops reading cannot make us pile up replies;
         # the worker drops it when the buffer makes no progress (see Worker._heartbeats).
         self.write_paused = False
-        self.deferred: collections.deque[Call] = collections.deque()
-        self.stall_since = 0.0  # when the unsent bytes last went down while paused
-        self.stall_unsent = 0  # and to how many
+        self.deferred: collections.deque[Call | Tell] = collections.deque()
+        self.stall_since = 0.0  # when the peer last took bytes while paused
+        self.stall_taken = 0  # bytes it took since the pause, as of then
+        self.written_while_paused = 0  # bytes handed to the transport since the pause
+        self.unsent_at_pause = 0
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._handshaking = True  # the Connection may queue frames of its own until done
         self.handshake_timer: asyncio.TimerHandle | None = None  # set by the accepting worker
@@ -147,7 +149,13 @@ class PeerProtocol(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         self.write_paused = True
         self.stall_since = time.monotonic()
-        self.stall_unsent = self.unsent_bytes()
+        self.stall_taken = self.written_while_paused = 0
+        self.unsent_at_pause = self.unsent_bytes()
+
+    def taken_since_pause(self) -> int:
+        """Bytes the kernel took from the transport since writing paused: progress of
+        a peer that reads, however much more we write meanwhile."""
+        return self.unsent_at_pause + self.written_while_paused - self.unsent_bytes()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -205,9 +213,13 @@ class PeerProtocol(asyncio.BufferedProtocol):
             if not self._sent_this_tick:
                 self.worker.loop.call_soon(self._end_tick)
             self._sent_this_tick += 1
+            if self.write_paused:
+                self.written_while_paused += _nbytes(pieces[0])
             transport.write(pieces[0])
             return
         self.flush()
+        if self.write_paused:
+            self.written_while_paused += sum(map(_nbytes, pieces))
         transport.writelines(pieces)
 
     def _end_tick(self) -> None:
@@ -218,7 +230,10 @@ class PeerProtocol(asyncio.BufferedProtocol):
         corked, self._corked = self._corked, None
         if corked is None or self.transport is None or self.transport.is_closing():
             return
-        self.transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
+        data = corked[0] if len(corked) == 1 else b"".join(corked)
+        if self.write_paused:
+            self.written_while_paused += _nbytes(data)
+        self.transport.write(data)
 
     def _write_later(self, pieces: list[bytes | bytearray | memoryview]) -> None:
         """Test-only delay: queue the frame; one timer releases frames in order."""
@@ -264,6 +279,10 @@ class PeerProtocol(asyncio.BufferedProtocol):
             self.transport.close()
 
 
+def _nbytes(piece: bytes | bytearray | memoryview) -> int:
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
 class LoopbackPeer:
     """Stands in for a connection to the worker itself (``rpc_async`` to oneself).
 
@@ -281,7 +300,7 @@ class LoopbackPeer:
         self.serving: dict[int, asyncio.Task[None]] = {}
         self.leaving = False
         self.write_paused = False  # messages to ourselves never wait
-        self.deferred: collections.deque[Call] = collections.deque()
+        self.deferred: collections.deque[Call | Tell] = collections.deque()
         self.last_received = self.last_sent = time.monotonic()
         self.flush = lambda: None
         self._decoder = FrameDecoder(max_frame_size=DEFAULT_MAX_FRAME_SIZE)

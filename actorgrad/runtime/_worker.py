@@ -468,21 +468,24 @@ class Worker:
                     peer.deferred.append(msg)  # served when the peer reads again
                 else:
                     self._serve_call(peer, msg)
+            elif isinstance(msg, Tell):
+                if peer.deferred:
+                    peer.deferred.append(msg)  # behind the calls it sent before: in order
+                else:
+                    self._serve_tell(peer, msg)
             elif isinstance(msg, Result):
                 self._pending.resolve(msg.request_id, msg.payload)
             elif isinstance(msg, Failure):
                 if msg.request_id in self._pending.futures:
                     self._pending.fail(msg.request_id, self._remote_error(peer, msg.payload))
-            elif isinstance(msg, Tell):
-                self._serve_tell(peer, msg)
             elif isinstance(msg, Cancel):
                 task = peer.serving.pop(msg.request_id, None)
                 if task is not None:
                     task.cancel()
                 elif peer.deferred:
-                    for call in peer.deferred:
-                        if call.request_id == msg.request_id:
-                            peer.deferred.remove(call)
+                    for waiting in peer.deferred:
+                        if isinstance(waiting, Call) and waiting.request_id == msg.request_id:
+                            peer.deferred.remove(waiting)
                             break
             elif isinstance(msg, Goodbye):
                 peer.leaving = True
@@ -491,7 +494,8 @@ class Worker:
 
     def serve_deferred(self, peer: PeerProtocol) -> None:
         """Serve, in order, the calls ``peer`` sent while it did not read our replies
-        (see PeerProtocol.write_paused), until it falls behind again."""
+        (see PeerProtocol.write_paused), and the messages it sent behind them, until it
+        falls behind again."""
         if peer.rank is None or self.peers.get(peer.rank) is not peer:
             peer.deferred.clear()
             return
@@ -499,7 +503,11 @@ class Worker:
         self.corking += 1  # the replies leave together
         try:
             while peer.deferred and not peer.write_paused:
-                self._serve_call(peer, peer.deferred.popleft())
+                msg = peer.deferred.popleft()
+                if isinstance(msg, Call):
+                    self._serve_call(peer, msg)
+                else:
+                    self._serve_tell(peer, msg)
         finally:
             self.corking -= 1
             _current.current_worker.reset(token)
@@ -733,15 +741,15 @@ class Worker:
                     self._check_write_stall(peer, now)
 
     def _check_write_stall(self, peer: PeerProtocol, now: float) -> None:
-        """Drop a peer whose unsent bytes made no progress for heartbeat_timeout: it
-        stopped reading (its calls already wait, see serve_deferred), and what we hold
-        for it would otherwise stay for good."""
-        unsent = peer.unsent_bytes()
-        if unsent < peer.stall_unsent:
-            peer.stall_since, peer.stall_unsent = now, unsent
+        """Drop a peer that took none of our bytes for heartbeat_timeout: it stopped
+        reading (its calls already wait, see serve_deferred), and what we hold for it
+        would otherwise stay for good."""
+        taken = peer.taken_since_pause()
+        if taken > peer.stall_taken:
+            peer.stall_since, peer.stall_taken = now, taken
         elif now - peer.stall_since > self.options.heartbeat_timeout:
-            peer.abort(f"{peer.name} stopped reading: {unsent / (1 << 20):.1f} MiB unsent, "
-                       f"none taken for {now - peer.stall_since:.1f}s")
+            peer.abort(f"{peer.name} stopped reading: {peer.unsent_bytes() / (1 << 20):.1f} MiB "
+                       f"unsent, none taken for {now - peer.stall_since:.1f}s")
 
     # -- observability --------------------------------------------------------------
     async def export_trace(self, path: str) -> int:

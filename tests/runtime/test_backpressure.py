@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import actorgrad as ag
+from actorgrad.wire import Payload
 
 MiB = 1 << 20
 served_order: list[int] = []
@@ -99,3 +100,25 @@ async def test_cancelled_call_that_waits_for_a_slow_reader_never_runs(make_group
     await asyncio.wait_for(asyncio.gather(*bigs), 30)
     assert await asyncio.wait_for(after, 30) == 2
     assert served_order == [2]
+
+
+async def test_messages_behind_a_waiting_call_wait_behind_it(make_group):
+    # a tell that came after a waiting call must not overtake it (an RRef's add_fork
+    # overtook its create call: the fork was lost and the value freed too early)
+    group, transport, bigs = await _fill_worker1s_buffer(make_group)
+    w0, w1 = group.workers[0], group.workers[1]
+    w1.register("test.note", lambda peer, payload: served_order.append(payload.load()))
+
+    def note_and_answer(peer: Any, payload: Payload) -> Payload:
+        served_order.append(payload.load())  # when the call is served, as rref.create does
+        return Payload.dump(None)
+
+    w1.register("test.call", note_and_answer)
+    first = w0.call(1, "test.call", Payload.dump(1), 30)
+    w0.tell(1, "test.note", Payload.dump(2))
+    await asyncio.sleep(0.1)
+    assert not served_order
+    transport.resume_reading()
+    await asyncio.wait_for(asyncio.gather(*bigs, first), 30)
+    await asyncio.sleep(0.05)
+    assert served_order == [1, 2]
