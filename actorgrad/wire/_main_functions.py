@@ -53,8 +53,13 @@ def _code_bytes(code: types.CodeType) -> bytes:
 
 
 def is_main_function(obj: Any) -> bool:
-    """A plain module-level function of ``__main__`` (what torch finds by name)."""
-    return obj.__module__ == "__main__" and "<locals>" not in obj.__qualname__
+    """A function defined at the top level of this process's ``__main__`` and found
+    there by its name (what torch pickles by reference). Not a method (its class goes by
+    value, and its methods with it: ``super()`` needs them to), a lambda or a wrapper
+    that took another function's name, nor a copy that came by value from a worker that
+    runs another program (its ``__module__`` says ``__main__`` too)."""
+    name = obj.__qualname__
+    return "." not in name and getattr(sys.modules.get("__main__"), name, None) is obj
 
 
 def main_function(qualname: str, print_: Fingerprint) -> Any:

@@ -38,7 +38,8 @@ def _run(tmp_path: Path, source: str, *launch: str) -> str:
 # The parameter-server idiom of torch's RPC tutorials: module state on the callee (a
 # dict it fills, a counter, a server created once under a global lock).
 STATEFUL = """
-import os, threading
+import functools, os, threading
+import torch
 import actorgrad as ag
 
 rank = int(os.environ["RANK"])
@@ -74,9 +75,32 @@ def call_server():
         server.calls += 1
         return server.calls
 
+# these go by value, as before: a class (its methods with it, for super()), a lambda,
+# and a wrapper that took another function's name
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.lin(x)
+
+double = lambda x: x * 2
+
+def base(x):
+    return x + 100
+
+@functools.wraps(base)
+def wrapped(x):
+    return base(x) + 1
+
 async def main():
     await ag.init_rpc(f"worker{rank}")
     if rank == 0:
+        net = ag.remote("worker1", Net)
+        print("NET", tuple((await net.rpc_async().forward(torch.ones(3, 2))).shape))
+        print("LAMBDA", await ag.rpc_async("worker1", double, args=(3,)))
+        print("WRAPPED", await ag.rpc_async("worker1", wrapped, args=(1,)))
         await ag.rpc_async("worker1", put, args=("a", 1))
         print("GET", await ag.rpc_async("worker1", get, args=("a",)))
         print("BUMP", await ag.rpc_async("worker1", bump), await ag.rpc_async("worker1", bump))
@@ -97,6 +121,7 @@ def test_launched_ranks_use_their_own_module_state_as_in_torch(tmp_path):
     assert "WHO rank1" in out
     assert "SERVER [1, 2, 3]" in out  # refers to a global lock: could not be sent by value
     assert "HERE {} 0 None" in out  # and the caller's module was left alone
+    assert "NET (3, 1)" in out and "LAMBDA 6" in out and "WRAPPED 102" in out
 
 
 ELSEWHERE = """
@@ -108,11 +133,20 @@ OFFSET = 10
 def add_offset(x):
     return x + OFFSET
 
+def on_worker2():
+    return "ran on " + ag.get_worker_info().name
+
+def forward_to_worker2():
+    # this function and on_worker2 came by value: worker1 passes on_worker2 on by value
+    # too, although worker2 runs the same program as worker1
+    return ag.rpc_sync("worker2", on_worker2)
+
 async def main():
-    group = await ag.local_group(2)  # worker1 runs another program: it gets a copy
+    group = await ag.local_group(3)  # workers 1 and 2 run another program: copies
     try:
         print("BY VALUE", await ag.rpc_async("worker1", add_offset, args=(1,)))
         print("SAME OBJECT HERE", await ag.rpc_async("worker0", add_offset, args=(1,)))
+        print("PASSED ON", await ag.rpc_async("worker1", forward_to_worker2))
     finally:
         await group.shutdown()
 
@@ -125,6 +159,7 @@ def test_a_worker_that_runs_another_program_gets_a_copy(tmp_path):
     out = _run(tmp_path, ELSEWHERE)
     assert "BY VALUE 11" in out
     assert "SAME OBJECT HERE 11" in out
+    assert "PASSED ON ran on worker2" in out
 
 
 DIFFERS = """
