@@ -10,6 +10,9 @@ if TYPE_CHECKING:  # what the names below are; at run time they load on first us
     from . import collective as collective
     from . import optim as optim
     from . import parallel as parallel
+    from . import rpc as rpc
+    from . import runtime as runtime
+    from . import wire as wire
     from ._api import export_trace as export_trace
     from ._api import get_rank as get_rank
     from ._api import get_worker_info as get_worker_info
@@ -42,7 +45,8 @@ __version__ = "0.1.0"
 # that needs none of them (the ``actorgrad launch`` command) starts without loading
 # torch; init_rpc loads every layer before it starts a worker (see _api.load_layers).
 _LAZY: dict[str, tuple[str, str | None]] = {
-    **{name: (f".{name}", None) for name in ("autograd", "collective", "optim", "parallel")},
+    **{name: (f".{name}", None) for name in (
+        "autograd", "collective", "optim", "parallel", "rpc", "runtime", "wire")},
     **{name: ("._api", name) for name in (
         "export_trace", "get_rank", "get_worker_info", "get_world_size", "init_rpc", "run",
         "shutdown", "trace")},

@@ -369,7 +369,8 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
         raise
     reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface on use
     rref = RRef._make(worker, owner, rref_id, fork, value)
-    rref._creation = reply
+    if owner != worker.rank:  # the owner keeps its own value (confirmed_by_owner)
+        rref._creation = reply
     return rref
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import ssl
 from dataclasses import dataclass, field
 
@@ -99,7 +100,7 @@ class RpcOptions:
             ("socket_buffer_bytes", 0, True, True),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral if whole else numbers.Real):
                 kind = "an int" if whole else "a number"
                 raise TypeError(f"RpcOptions.{name} must be {kind}, got {type(value).__name__} {value!r}")
             if value != value or value < least or (value == least and not inclusive):  # NaN too

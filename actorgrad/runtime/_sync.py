@@ -49,6 +49,13 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
         return _reenter(loop, start)
     if loop.is_closed():
         raise RuntimeError("the worker's event loop is closed")
+    if running is not None and not loop.is_running():
+        # nobody runs the worker's loop, and this thread cannot while it runs another:
+        # refused before anything is sent
+        raise RuntimeError(
+            "a blocking *_sync call from inside another event loop, while the worker's loop "
+            "is not running: use the async form on the worker's loop"
+        )
     note_blocking_call()
     ctx = contextvars.copy_context()
     result: concurrent.futures.Future[T] = concurrent.futures.Future()

@@ -287,7 +287,8 @@ def test_the_launcher_starts_without_importing_torch() -> None:
                          text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
     # and the names of the package are there on first use
-    use = "import actorgrad as ag; print(ag.WorkerLost.__module__, ag.autograd.backward is ag.dist_backward)"
+    use = ("import actorgrad as ag; print(ag.WorkerLost.__module__, ag.autograd.backward is ag.dist_backward, "
+           "all(hasattr(ag, m) for m in ('rpc', 'runtime', 'wire', 'optim', 'parallel', 'collective')))")
     out = subprocess.run([sys.executable, "-c", use], env=_env(), capture_output=True,
                          text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["actorgrad", "True"]
+    assert out.stdout.split() == ["actorgrad", "True", "True"]

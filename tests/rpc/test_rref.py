@@ -568,6 +568,7 @@ async def test_confirmed_by_owner(group2):
         await failed.to_here()
     assert not failed.confirmed_by_owner()
     assert ag.RRef(torch.ones(1)).confirmed_by_owner()  # the owner's own
+    assert ag.remote("worker0", slow_make, args=(0.3, 3)).confirmed_by_owner()  # its own too
 
 
 async def test_rref_backward_starts_a_distributed_backward_on_the_owner(group2):

@@ -338,6 +338,10 @@ def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, na
     with pytest.raises(error, match=named):
         ag.RpcOptions(**kwargs)
     assert ag.RpcOptions(rpc_timeout=float("inf"), listen_port=65535).rpc_timeout == float("inf")
+    import numpy as np  # numbers of any kind pass, as they did
+
+    assert ag.RpcOptions(num_worker_threads=np.int64(4), listen_port=np.int32(0),
+                         rpc_timeout=np.float32(5.0)).num_worker_threads == 4
 
 
 async def test_unsupported_init_method():
@@ -889,3 +893,33 @@ def test_rpc_sync_from_threads_of_a_plain_script_whose_loop_nobody_runs(tmp_path
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert "DONE 25 ERRORS []" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr
+
+
+def test_rpc_sync_inside_another_loop_is_refused_before_anything_is_sent(tmp_path):
+    """The worker's loop is not running and this thread runs another one: the call
+    cannot be made, and must not be sent later behind the caller's back."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "other_loop.py"
+    script.write_text(
+        "import asyncio, actorgrad as ag\n"
+        "RAN = []\n"
+        "def record(x):\n"
+        "    import sys\n"
+        "    sys.modules['__main__'].RAN.append(x)\n"
+        "loop = asyncio.new_event_loop()\n"
+        f"loop.run_until_complete(ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}'))\n"
+        "async def other():\n"
+        "    try:\n"
+        "        ag.rpc_sync('w0', record, args=(1,))\n"
+        "    except RuntimeError as exc:\n"
+        "        print('REFUSED', exc)\n"
+        "asyncio.run(other())\n"
+        "loop.run_until_complete(asyncio.sleep(0.5))\n"
+        "print('RAN', RAN)\n"
+        "loop.run_until_complete(ag.shutdown())\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED" in proc.stdout and "RAN []" in proc.stdout, proc.stdout
