@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import gc
 import hashlib
 import inspect
@@ -66,9 +67,15 @@ PeerRef = str | int | WorkerInfo
 
 
 # Whatever a remote function raises, SystemExit and KeyboardInterrupt included, its
-# caller gets as RemoteError, and the worker goes on serving (as torch's RPC does: a
-# remote sys.exit() is the function's failure, not the worker's end; a Ctrl-C reaches
-# the worker through its loop's signal handling, not through a served function).
+# caller gets as RemoteError. The worker goes on serving after a SystemExit (as torch's
+# RPC does: a remote sys.exit() is the function's failure, not the worker's end); a
+# KeyboardInterrupt is raised on once answered, since on the loop thread it may be a
+# Ctrl-C that landed in the served function.
+
+
+def _close_unstarted(coro: Any, _: object = None) -> None:
+    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()
 
 
 def describe_error(exc: BaseException) -> tuple[str, str, str]:
@@ -535,6 +542,8 @@ class Worker:
             reply = handler(peer, msg.payload)
         except BaseException as exc:  # no task here: a CancelledError is the function's own
             peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
+            if isinstance(exc, KeyboardInterrupt):
+                raise  # answered, and a Ctrl-C still stops this program (see _finish_call)
             return
         if isinstance(reply, Payload):
             self._reply(peer, msg.request_id, reply)
@@ -542,6 +551,8 @@ class Worker:
             task = self.loop.create_task(
                 self._finish_call(peer, msg.request_id, reply), context=self._context.copy()
             )
+            if inspect.iscoroutine(reply):  # cancelled before it started: close it quietly
+                task.add_done_callback(functools.partial(_close_unstarted, reply))
             peer.serving[msg.request_id] = task
 
     async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None]) -> None:
@@ -568,6 +579,12 @@ class Worker:
             response = Failure(request_id=request_id, payload=error_payload(exc))
         except BaseException as exc:  # SystemExit too (see the note above describe_error)
             response = Failure(request_id=request_id, payload=error_payload(exc))
+            if isinstance(exc, KeyboardInterrupt):
+                # answered, then raised on: a Ctrl-C that lands in a served function on
+                # the loop (a plain script, Jupyter) must still stop the program
+                peer.serving.pop(request_id, None)
+                peer.send(response)
+                raise
         peer.serving.pop(request_id, None)
         if isinstance(response, Result):
             response = self._reply(peer, request_id, response.payload)

@@ -74,10 +74,6 @@ async def raise_system_exit_async() -> None:
     raise SystemExit(3)
 
 
-def raise_keyboard_interrupt() -> None:
-    raise KeyboardInterrupt()
-
-
 def raise_value_error(message: str) -> None:
     raise ValueError(message)
 
@@ -146,14 +142,32 @@ async def test_generator_exit_raised_by_the_function(group2, to, func):
 
 
 @pytest.mark.parametrize("to", OWNERS)
-@pytest.mark.parametrize("func", [raise_system_exit, raise_system_exit_async, raise_keyboard_interrupt])
+@pytest.mark.parametrize("func", [raise_system_exit, raise_system_exit_async])
 async def test_system_exit_raised_by_the_function_is_its_failure(group2, to, func):
     # as in torch's RPC: the caller gets the error, the worker goes on serving
     err = await fails_fast(ag.rpc_async(to, func, timeout=_LIMIT), ag.RemoteError)
-    assert type(err.__cause__) in (SystemExit, KeyboardInterrupt)
-    assert type(err.__cause__).__name__ == err.remote_type
+    assert type(err.__cause__) is SystemExit and err.remote_type == "SystemExit"
     assert func.__name__ in err.remote_traceback
     assert await ag.rpc_async(to, square, args=(3,), timeout=_LIMIT) == 9
+
+
+@pytest.mark.slow
+async def test_keyboard_interrupt_in_the_function_is_answered_then_stops_the_worker(make_process_group):
+    # answered, so the caller does not wait; then raised on, as a Ctrl-C that lands in a
+    # function served on the loop must stop the program
+    group = await make_process_group(2)
+
+    def interrupted() -> None:  # by value: the worker process cannot import this module
+        raise KeyboardInterrupt()
+
+    err = await fails_fast(ag.rpc_async("worker1", interrupted, timeout=_LIMIT), ag.RemoteError)
+    assert type(err.__cause__) is KeyboardInterrupt
+    deadline = time.monotonic() + _FAST
+    while group.processes[0].poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - a child
+        await asyncio.sleep(0.05)
+    assert group.processes[0].poll() is not None
+    with pytest.raises(ag.WorkerLost):
+        await ag.rpc_async("worker1", max, args=(3, 4), timeout=_LIMIT)
 
 
 @pytest.mark.parametrize("to", OWNERS)
