@@ -51,12 +51,35 @@ class _Entry:
     creating: bool = False  # remote() to oneself: kept, forks or not, until created
 
 
+_EARLY_MAX = 4096
+
+
+def _count_fork(entry: _Entry, added: bool, fork: ForkId, holder: int | None) -> None:
+    """A fork made (``added``) or released; either may come first (a tombstone)."""
+    if added:
+        if fork in entry.tombstones:
+            entry.tombstones.discard(fork)
+        else:
+            entry.forks.add(fork)
+            if holder is not None:
+                entry.holders[fork] = holder
+    elif fork in entry.forks:
+        entry.forks.discard(fork)
+        entry.holders.pop(fork, None)
+    else:
+        entry.tombstones.add(fork)
+
+
 class OwnerTable:
     """Values this worker owns on behalf of RRefs held anywhere (a worker extension)."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.entries: dict[RRefId, _Entry] = {}
+        # Fork news about a value not created here yet: they may come from other workers
+        # before the remote() call that creates it (another connection, or a call that
+        # waits, see Worker.serve_deferred), and are applied when it comes.
+        self._early: dict[RRefId, list[tuple[bool, ForkId, int | None]]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         worker.add_lost_listener(self._on_lost)
@@ -69,31 +92,26 @@ class OwnerTable:
         entry = self.entries.get(rref_id)
         if entry is None:
             entry = self.entries[rref_id] = _Entry(value)
+            for added, fork, holder in self._early.pop(rref_id, ()):
+                _count_fork(entry, added, fork, holder)  # freed, if at all, by the caller's
         return entry
 
     def add_fork(self, rref_id: RRefId, fork: ForkId, holder: int | None = None) -> None:
         """Count the fork ``holder`` got (None: not known; it is then kept until that
         RRef releases it, even if its holder is lost)."""
-        entry = self.entries.get(rref_id)
-        if entry is None:
-            return
-        if fork in entry.tombstones:
-            entry.tombstones.discard(fork)
-        else:
-            entry.forks.add(fork)
-            if holder is not None:
-                entry.holders[fork] = holder
-        self._maybe_free(rref_id, entry)
+        self._fork_news(rref_id, True, fork, holder)
 
     def del_fork(self, rref_id: RRefId, fork: ForkId) -> None:
+        self._fork_news(rref_id, False, fork, None)
+
+    def _fork_news(self, rref_id: RRefId, added: bool, fork: ForkId, holder: int | None) -> None:
         entry = self.entries.get(rref_id)
         if entry is None:
+            if len(self._early) >= _EARLY_MAX:  # bounded: news of values that never come
+                del self._early[next(iter(self._early))]
+            self._early.setdefault(rref_id, []).append((added, fork, holder))
             return
-        if fork in entry.forks:
-            entry.forks.discard(fork)
-            entry.holders.pop(fork, None)
-        else:
-            entry.tombstones.add(fork)
+        _count_fork(entry, added, fork, holder)
         self._maybe_free(rref_id, entry)
 
     def _on_lost(self, name: str, rank: int, reason: str) -> None:

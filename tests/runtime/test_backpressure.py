@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import time
 from typing import Any
@@ -122,3 +123,39 @@ async def test_messages_behind_a_waiting_call_wait_behind_it(make_group):
     await asyncio.wait_for(asyncio.gather(*bigs, first), 30)
     await asyncio.sleep(0.05)
     assert served_order == [1, 2]
+
+
+def ident(x: Any) -> Any:
+    return x
+
+
+def drop(rref: Any) -> bool:
+    return True  # the RRef copy dies here: its release goes from worker2 to the owner
+
+
+async def test_an_rref_released_elsewhere_before_its_waiting_creation_is_freed(make_group):
+    # worker1 (the owner) gets worker2's release of a fork before worker0's remote()
+    # that creates the value, which waits behind worker0's unread replies: the release
+    # must still count (it was dropped, and the value kept for good)
+    from actorgrad.rpc import owner_table
+
+    group = await make_group(3)
+    transport = group.workers[0].peers[1].transport
+    transport.pause_reading()
+    bigs = [ag.rpc_async("worker1", big, args=(i,), timeout=30) for i in range(8)]
+    await asyncio.sleep(0.5)
+    rref = ag.remote("worker1", ident, args=(5,))
+    assert await ag.rpc_async("worker2", drop, args=(rref,), timeout=30)
+    gc.collect()
+    await asyncio.sleep(0.3)
+    transport.resume_reading()
+    await asyncio.wait_for(asyncio.gather(*bigs), 30)
+    assert await rref.to_here() == 5
+    rref_id = rref._id
+    del rref
+    gc.collect()
+    table = owner_table(group.workers[1])
+    deadline = time.monotonic() + 5
+    while rref_id in table.entries and time.monotonic() < deadline:  # noqa: ASYNC110 - polling
+        await asyncio.sleep(0.05)
+    assert rref_id not in table.entries
