@@ -95,6 +95,8 @@ class ThreadPool:
                 value = ctx.run(fn)
                 deliver = _set_result
             except BaseException as exc:  # delivered to the awaiting coroutine
+                if isinstance(exc, KeyboardInterrupt):
+                    exc.raised_in_pool = True  # type: ignore[attr-defined]  # no Ctrl-C: see raised_in_pool
                 value, deliver = exc, _set_exception
             del job, fn, ctx
             self._finished += 1  # a lost update only delays a thread start by _GRACE
@@ -122,6 +124,12 @@ class ThreadPool:
         deadline = time.monotonic() + _JOIN_SECONDS
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def raised_in_pool(exc: BaseException) -> bool:
+    """Whether a job of a pool raised ``exc`` itself: a KeyboardInterrupt that did can
+    never be a Ctrl-C, which Python raises in the main thread only."""
+    return getattr(exc, "raised_in_pool", False) is True
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -51,7 +51,7 @@ from ..wire import (
 from . import _current, _local
 from ._calls import CallFuture, PendingCalls, check_timeout
 from ._options import RpcOptions, WorkerInfo
-from ._pool import ThreadPool
+from ._pool import ThreadPool, raised_in_pool
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
 from ._trace import Tracer, now_us
 from ._transport import LoopbackPeer, PeerProtocol
@@ -67,10 +67,10 @@ PeerRef = str | int | WorkerInfo
 
 
 # Whatever a remote function raises, SystemExit and KeyboardInterrupt included, its
-# caller gets as RemoteError. The worker goes on serving after a SystemExit (as torch's
-# RPC does: a remote sys.exit() is the function's failure, not the worker's end); a
-# KeyboardInterrupt is raised on once answered, since on the loop thread it may be a
-# Ctrl-C that landed in the served function.
+# caller gets as RemoteError, and the worker goes on serving (as torch's RPC does: a
+# remote sys.exit() is the function's failure, not the worker's end). Only a
+# KeyboardInterrupt raised on the loop thread is raised on once answered: it may be a
+# Ctrl-C that landed in the served function, which must still stop the program.
 
 
 def _close_unstarted(coro: Any, _: object = None) -> None:
@@ -579,7 +579,7 @@ class Worker:
             response = Failure(request_id=request_id, payload=error_payload(exc))
         except BaseException as exc:  # SystemExit too (see the note above describe_error)
             response = Failure(request_id=request_id, payload=error_payload(exc))
-            if isinstance(exc, KeyboardInterrupt):
+            if isinstance(exc, KeyboardInterrupt) and not raised_in_pool(exc):
                 # answered, then raised on: a Ctrl-C that lands in a served function on
                 # the loop (a plain script, Jupyter) must still stop the program
                 peer.serving.pop(request_id, None)

@@ -151,13 +151,25 @@ async def test_system_exit_raised_by_the_function_is_its_failure(group2, to, fun
     assert await ag.rpc_async(to, square, args=(3,), timeout=_LIMIT) == 9
 
 
+def raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt()
+
+
+async def test_keyboard_interrupt_of_a_pool_function_is_only_its_failure(group2):
+    # raised in a pool thread, it cannot be a Ctrl-C (Python raises those in the main
+    # thread only): the call fails and the worker (here: this process) goes on
+    err = await fails_fast(ag.rpc_async("worker1", raise_keyboard_interrupt, timeout=_LIMIT), ag.RemoteError)
+    assert type(err.__cause__) is KeyboardInterrupt
+    assert await ag.rpc_async("worker1", square, args=(3,), timeout=_LIMIT) == 9
+
+
 @pytest.mark.slow
-async def test_keyboard_interrupt_in_the_function_is_answered_then_stops_the_worker(make_process_group):
+async def test_keyboard_interrupt_on_the_loop_is_answered_then_stops_the_worker(make_process_group):
     # answered, so the caller does not wait; then raised on, as a Ctrl-C that lands in a
     # function served on the loop must stop the program
     group = await make_process_group(2)
 
-    def interrupted() -> None:  # by value: the worker process cannot import this module
+    async def interrupted() -> None:  # by value: the worker process cannot import this module
         raise KeyboardInterrupt()
 
     err = await fails_fast(ag.rpc_async("worker1", interrupted, timeout=_LIMIT), ag.RemoteError)
