@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import threading
 import time
@@ -41,10 +42,7 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
       blocking helper): re-enters the loop with ``nest_asyncio``, applied on demand.
     """
     loop = worker.loop
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
+    running = _running_loop()
     if running is loop:
         return _reenter(loop, start)
     if loop.is_closed():
@@ -90,16 +88,20 @@ def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Fu
     """Wait for ``result``; run the loop meanwhile whenever nobody else does."""
     deadline = None if timeout is None else time.monotonic() + timeout
     driver = _drivers.setdefault(id(loop), threading.Lock())
+    can_drive = _running_loop() is None  # a thread that runs another loop cannot
     while True:
+        if not loop.is_running() and not can_drive and not result.done():
+            raise RuntimeError(
+                "the worker's event loop stopped before the call was answered, and this "
+                "thread cannot run it while it runs another event loop: the call was sent "
+                "and may still run when the worker's loop runs again"
+            )
         if not loop.is_running() and driver.acquire(blocking=False):
             try:
                 if not loop.is_running() and not loop.is_closed():
-                    try:
+                    # the call's own outcome is read from ``result`` below
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
                         loop.run_until_complete(_until_done(result))
-                    except (Exception, asyncio.CancelledError):
-                        if not result.done():
-                            raise  # the loop could not be run here (another loop runs)
-                        # else: the call's own outcome, read from ``result`` below
             finally:
                 driver.release()
         left = None if deadline is None else deadline - time.monotonic()
@@ -110,6 +112,13 @@ def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Fu
         except concurrent.futures.TimeoutError:
             if loop.is_closed():
                 raise RuntimeError("the worker's event loop was closed") from None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def _until_done(result: concurrent.futures.Future[Any]) -> None:
