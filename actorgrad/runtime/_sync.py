@@ -110,6 +110,8 @@ def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Fu
         try:
             return result.result(_DRIVER_POLL if left is None else min(left, _DRIVER_POLL))
         except concurrent.futures.TimeoutError:
+            if result.done():
+                raise  # the call's own RpcTimeout (a TimeoutError too), not the poll's
             if loop.is_closed():
                 raise RuntimeError("the worker's event loop was closed") from None
 

@@ -210,6 +210,18 @@ async def test_rpc_sync_from_a_plain_thread(group2):
     assert torch.allclose(result, x)
 
 
+async def test_rpc_sync_from_a_plain_thread_times_out_on_time(group2):
+    # the call's RpcTimeout is a TimeoutError, as is a blocking wait's: it was taken for
+    # the wait's own and the thread waited for ever
+    def blocking() -> None:
+        ag.rpc_sync("worker1", time.sleep, args=(2,), timeout=0.3)
+
+    start = time.monotonic()
+    with pytest.raises(ag.RpcTimeout):
+        await asyncio.wait_for(asyncio.to_thread(blocking), 10)
+    assert time.monotonic() - start < 1.5
+
+
 # --------------------------------------------------------------------------------------
 # argument copying
 
