@@ -80,6 +80,7 @@ class OwnerTable:
         # before the remote() call that creates it (another connection, or a call that
         # waits, see Worker.serve_deferred), and are applied when it comes.
         self._early: dict[RRefId, list[tuple[bool, ForkId, int | None]]] = {}
+        self._early_count = 0  # news in _early, bounded: values that never come leave some
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         worker.add_lost_listener(self._on_lost)
@@ -92,7 +93,9 @@ class OwnerTable:
         entry = self.entries.get(rref_id)
         if entry is None:
             entry = self.entries[rref_id] = _Entry(value)
-            for added, fork, holder in self._early.pop(rref_id, ()):
+            news = self._early.pop(rref_id, ())
+            self._early_count -= len(news)
+            for added, fork, holder in news:
                 _count_fork(entry, added, fork, holder)  # freed, if at all, by the caller's
         return entry
 
@@ -107,9 +110,10 @@ class OwnerTable:
     def _fork_news(self, rref_id: RRefId, added: bool, fork: ForkId, holder: int | None) -> None:
         entry = self.entries.get(rref_id)
         if entry is None:
-            if len(self._early) >= _EARLY_MAX:  # bounded: news of values that never come
-                del self._early[next(iter(self._early))]
+            while self._early_count >= _EARLY_MAX:  # the oldest go first
+                self._early_count -= len(self._early.pop(next(iter(self._early))))
             self._early.setdefault(rref_id, []).append((added, fork, holder))
+            self._early_count += 1
             return
         _count_fork(entry, added, fork, holder)
         self._maybe_free(rref_id, entry)
@@ -124,6 +128,15 @@ class OwnerTable:
                 del entry.holders[fork]
             if gone:
                 self._maybe_free(rref_id, entry)
+        for rref_id, news in list(self._early.items()):  # and forks it got before creation
+            gone_forks = {fork for added, fork, holder in news if added and holder == rank}
+            if gone_forks:
+                kept = [n for n in news if n[1] not in gone_forks]
+                self._early_count -= len(news) - len(kept)
+                if kept:
+                    self._early[rref_id] = kept
+                else:
+                    del self._early[rref_id]
 
     def _maybe_free(self, rref_id: RRefId, entry: _Entry) -> None:
         if not entry.forks and not entry.tombstones and not entry.creating:

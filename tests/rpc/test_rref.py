@@ -591,3 +591,58 @@ async def test_rref_backward_without_a_context_is_local_and_on_the_owner_only(gr
     there = ag.remote("worker1", torch.ones, args=(1,))
     with pytest.raises(RuntimeError, match="owner"):
         await there.backward()
+
+
+# --------------------------------------------------------------------------------------
+# the owner's table: fork news that come before the value's creation
+
+
+class _StubWorker:
+    rank = 1
+
+    def add_lost_listener(self, listener: Any) -> None:
+        self.on_lost = listener
+
+
+def _created(table: Any, rref_id: Any, creator_fork: Any) -> None:
+    """What the owner does when the remote() call creating the value comes: the entry,
+    and the creator's fork."""
+    loop = asyncio.get_running_loop()
+    table.entry_for(rref_id, loop.create_future())
+    table.add_fork(rref_id, creator_fork, 0)
+
+
+async def test_fork_news_before_creation_count_when_it_comes():
+    from actorgrad.rpc._rref import OwnerTable
+
+    table = OwnerTable(_StubWorker())  # type: ignore[arg-type]
+    rid, creator, forwarded = (0, 1), (0, 2), (0, 3)
+    table.add_fork(rid, forwarded, 2)  # worker2 got a copy ... and released it, both early
+    table.del_fork(rid, forwarded)
+    _created(table, rid, creator)
+    assert table.entries[rid].forks == {creator}
+    table.del_fork(rid, creator)
+    assert rid not in table.entries and not table._early
+
+
+async def test_early_forks_of_a_lost_worker_are_dropped():
+    from actorgrad.rpc._rref import OwnerTable
+
+    worker = _StubWorker()
+    table = OwnerTable(worker)  # type: ignore[arg-type]
+    rid, creator, held_by_3 = (0, 1), (0, 2), (0, 3)
+    table.add_fork(rid, held_by_3, 3)
+    worker.on_lost("worker3", 3, "killed")  # worker3 can never release it now
+    _created(table, rid, creator)
+    table.del_fork(rid, creator)
+    assert rid not in table.entries and not table._early
+
+
+async def test_early_fork_news_are_bounded():
+    from actorgrad.rpc._rref import _EARLY_MAX, OwnerTable
+
+    table = OwnerTable(_StubWorker())  # type: ignore[arg-type]
+    for i in range(_EARLY_MAX + 100):  # news of values that never come (their creation failed)
+        table.del_fork((0, i % 7), (0, i))
+    assert table._early_count == sum(map(len, table._early.values())) <= _EARLY_MAX
+
