@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -127,6 +129,12 @@ async def handshake(
         return established, None
     finally:
         writer.close()
+
+
+def run_script(path: Any, source: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Write ``source`` to ``path`` and run it with this Python; its output, as text."""
+    path.write_text(source)
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout)
 
 
 async def assert_still_serves(group: InProcessGroup) -> None:
@@ -784,18 +792,13 @@ def test_program_that_raises_before_shutdown_shows_only_its_own_error(tmp_path):
     """asyncio.run cancels the rendezvous server's client handlers when the program's main
     raises without shutting down; none of them may log a traceback of ours on top of the
     user's (Python 3.11's stream callback does so for a handler that ends cancelled)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "raises.py"
-    script.write_text(
+    proc = run_script(tmp_path / "raises.py", (
         "import asyncio, actorgrad as ag\n"
         "async def main():\n"
         f"    await ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}')\n"
         "    raise RuntimeError('the user error')\n"
         "asyncio.run(main())\n"
-    )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    ), timeout=60)
     assert proc.returncode == 1
     assert "RuntimeError: the user error" in proc.stderr
     assert "Exception in callback" not in proc.stderr, proc.stderr
@@ -805,11 +808,7 @@ def test_program_that_raises_before_shutdown_shows_only_its_own_error(tmp_path):
 def test_blocking_call_inside_a_coroutine_on_uvloop_says_to_await(tmp_path):
     """uvloop cannot be re-entered: rpc_sync inside a coroutine under ag.run must fail at
     once with a message that names the way out, not hang or fail obscurely."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "sync_in_coroutine.py"
-    script.write_text(
+    proc = run_script(tmp_path / "sync_in_coroutine.py", (
         "import actorgrad as ag\n"
         "async def main():\n"
         f"    await ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}')\n"
@@ -820,8 +819,7 @@ def test_blocking_call_inside_a_coroutine_on_uvloop_says_to_await(tmp_path):
         "    print('ASYNC', await ag.rpc_async('w0', max, args=(1, 2)))\n"
         "    await ag.shutdown()\n"
         "ag.run(main())\n"
-    )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    ), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "uvloop" in proc.stdout and "await" in proc.stdout
     assert "ASYNC 2" in proc.stdout
@@ -864,11 +862,7 @@ async def test_rendezvous_store_frees_waiters_that_hang_up_and_bounds_what_it_ke
 def test_rpc_sync_from_threads_of_a_plain_script_whose_loop_nobody_runs(tmp_path):
     """A plain script runs its loop only inside its own blocking calls: threads calling
     rpc_sync at once must take turns driving it, never wait for a loop that stopped."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "threads.py"
-    script.write_text(
+    proc = run_script(tmp_path / "threads.py", (
         "import asyncio, os, threading, time, actorgrad as ag\n"
         "def sq(x):\n"
         "    time.sleep(0.01)\n"
@@ -889,8 +883,7 @@ def test_rpc_sync_from_threads_of_a_plain_script_whose_loop_nobody_runs(tmp_path
         "print('DONE', sum(results), 'ERRORS', errors, flush=True)\n"
         "if any(t.is_alive() for t in threads): os._exit(3)\n"
         "loop.run_until_complete(ag.shutdown())\n"
-    )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    ), timeout=90)
     assert "DONE 25 ERRORS []" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr
 
@@ -898,11 +891,7 @@ def test_rpc_sync_from_threads_of_a_plain_script_whose_loop_nobody_runs(tmp_path
 def test_rpc_sync_inside_another_loop_is_refused_before_anything_is_sent(tmp_path):
     """The worker's loop is not running and this thread runs another one: the call
     cannot be made, and must not be sent later behind the caller's back."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "other_loop.py"
-    script.write_text(
+    proc = run_script(tmp_path / "other_loop.py", (
         "import asyncio, actorgrad as ag\n"
         "RAN = []\n"
         "def record(x):\n"
@@ -919,7 +908,6 @@ def test_rpc_sync_inside_another_loop_is_refused_before_anything_is_sent(tmp_pat
         "loop.run_until_complete(asyncio.sleep(0.5))\n"
         "print('RAN', RAN)\n"
         "loop.run_until_complete(ag.shutdown())\n"
-    )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    ), timeout=90)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "RAN []" in proc.stdout, proc.stdout
