@@ -42,12 +42,24 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
       blocking helper): re-enters the loop with ``nest_asyncio``, applied on demand.
     """
     loop = worker.loop
-    running = _running_loop()
-    if running is loop:
+    if _running_loop() is loop:
         return _reenter(loop, start)
+    return _block_on(loop, start, timeout)
+
+
+def await_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], timeout: float | None) -> Any:
+    """Block a thread that is not running ``loop`` until a future of it is done."""
+    return _block_on(loop, lambda: fut, timeout)
+
+
+def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future[T]],
+              timeout: float | None) -> T:
+    """Schedule ``start()`` on ``loop`` in this thread's contextvars and wait for its
+    outcome, driving the loop meanwhile whenever nobody else does (see run_sync)."""
     if loop.is_closed():
         raise RuntimeError("the worker's event loop is closed")
-    if running is not None and not loop.is_running():
+    can_drive = _running_loop() is None  # a thread that runs another loop cannot
+    if not can_drive and not loop.is_running():
         # nobody runs the worker's loop, and this thread cannot while it runs another:
         # refused before anything is sent
         raise RuntimeError(
@@ -76,7 +88,7 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
         fut.add_done_callback(done)
 
     loop.call_soon_threadsafe(begin)
-    return _wait_driving(loop, result, timeout)
+    return _wait_driving(loop, result, timeout, can_drive)
 
 
 _drivers: dict[int, threading.Lock] = {}  # per loop: held by the thread that runs it for run_sync
@@ -84,11 +96,11 @@ _DRIVER_POLL = 0.005  # how often a waiting thread checks whether the loop still
 
 
 def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Future[T],
-                  timeout: float | None) -> T:
-    """Wait for ``result``; run the loop meanwhile whenever nobody else does."""
+                  timeout: float | None, can_drive: bool) -> T:
+    """Wait for ``result``; run the loop meanwhile whenever nobody else does (and this
+    thread can: not while it runs another loop)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     driver = _drivers.setdefault(id(loop), threading.Lock())
-    can_drive = _running_loop() is None  # a thread that runs another loop cannot
     while True:
         if not loop.is_running() and not can_drive and not result.done():
             raise RuntimeError(
@@ -144,12 +156,3 @@ def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future
     if not getattr(loop, "_nest_patched", False):
         nest_asyncio.apply(loop)
     return loop.run_until_complete(_await(start))
-
-
-def await_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], timeout: float | None) -> Any:
-    """Block a non-loop thread until an asyncio future of ``loop`` is done."""
-    note_blocking_call()
-
-    async def wait() -> Any:
-        return await asyncio.shield(fut)
-    return asyncio.run_coroutine_threadsafe(wait(), loop).result(timeout)

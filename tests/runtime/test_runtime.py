@@ -911,3 +911,20 @@ def test_rpc_sync_inside_another_loop_is_refused_before_anything_is_sent(tmp_pat
     ), timeout=90)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "RAN []" in proc.stdout, proc.stdout
+
+
+def test_local_value_in_a_plain_script_runs_the_loop_until_the_value_is_made(tmp_path):
+    # it waited on a loop nobody ran (for ever); it now drives it like rpc_sync
+    proc = run_script(tmp_path / "local_value.py", (
+        "import asyncio, time, actorgrad as ag\n"
+        "def slow():\n"
+        "    time.sleep(0.3)\n"
+        "    return 42\n"
+        "loop = asyncio.new_event_loop()\n"
+        f"loop.run_until_complete(ag.init_rpc('w0', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}'))\n"
+        "rref = ag.remote('w0', slow)\n"
+        "print('VALUE', rref.local_value())\n"
+        "loop.run_until_complete(ag.shutdown())\n"
+    ), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "VALUE 42" in proc.stdout
