@@ -57,8 +57,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.deferred: collections.deque[Call | Tell] = collections.deque()
         self.stall_since = 0.0  # when the peer last took bytes while paused
         self.stall_taken = 0  # bytes it took since the pause, as of then
-        self.written_while_paused = 0  # bytes handed to the transport since the pause
-        self.unsent_at_pause = 0
+        self.owed_since_pause = 0  # unsent at the pause + handed to the transport since
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._handshaking = True  # the Connection may queue frames of its own until done
         self.handshake_timer: asyncio.TimerHandle | None = None  # set by the accepting worker
@@ -149,13 +148,13 @@ class PeerProtocol(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         self.write_paused = True
         self.stall_since = time.monotonic()
-        self.stall_taken = self.written_while_paused = 0
-        self.unsent_at_pause = self.unsent_bytes()
+        self.stall_taken = 0
+        self.owed_since_pause = self.unsent_bytes()
 
     def taken_since_pause(self) -> int:
         """Bytes the kernel took from the transport since writing paused: progress of
         a peer that reads, however much more we write meanwhile."""
-        return self.unsent_at_pause + self.written_while_paused - self.unsent_bytes()
+        return self.owed_since_pause - self.unsent_bytes()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -214,12 +213,12 @@ class PeerProtocol(asyncio.BufferedProtocol):
                 self.worker.loop.call_soon(self._end_tick)
             self._sent_this_tick += 1
             if self.write_paused:
-                self.written_while_paused += _nbytes(pieces[0])
+                self.owed_since_pause += _nbytes(pieces[0])
             transport.write(pieces[0])
             return
         self.flush()
         if self.write_paused:
-            self.written_while_paused += sum(map(_nbytes, pieces))
+            self.owed_since_pause += sum(map(_nbytes, pieces))
         transport.writelines(pieces)
 
     def _end_tick(self) -> None:
@@ -232,7 +231,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
             return
         data = corked[0] if len(corked) == 1 else b"".join(corked)
         if self.write_paused:
-            self.written_while_paused += _nbytes(data)
+            self.owed_since_pause += _nbytes(data)
         self.transport.write(data)
 
     def _write_later(self, pieces: list[bytes | bytearray | memoryview]) -> None:

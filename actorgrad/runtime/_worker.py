@@ -558,6 +558,7 @@ class Worker:
     async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None]) -> None:
         start = now_us() if self.tracer.enabled else 0.0
         task = asyncio.current_task()
+        interrupted: KeyboardInterrupt | None = None
         try:
             result = await reply
             if result is None:  # the handler passed the duty to answer on
@@ -580,16 +581,14 @@ class Worker:
         except BaseException as exc:  # SystemExit too (see the note above describe_error)
             response = Failure(request_id=request_id, payload=error_payload(exc))
             if isinstance(exc, KeyboardInterrupt) and not raised_in_pool(exc):
-                # answered, then raised on: a Ctrl-C that lands in a served function on
-                # the loop (a plain script, Jupyter) must still stop the program
-                peer.serving.pop(request_id, None)
-                peer.send(response)
-                raise
+                interrupted = exc  # maybe a Ctrl-C on the loop: raised on once answered
         peer.serving.pop(request_id, None)
         if isinstance(response, Result):
             response = self._reply(peer, request_id, response.payload)
         else:
             peer.send(response)
+        if interrupted is not None:
+            raise interrupted
         if start:
             self.tracer.complete("run remote function", "rpc", start,
                                  {"from": peer.name, "request": request_id,
