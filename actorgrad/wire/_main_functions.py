@@ -62,17 +62,15 @@ def is_main_function(obj: Any) -> bool:
     return "." not in name and getattr(sys.modules.get("__main__"), name, None) is obj
 
 
-def main_function(qualname: str, print_: Fingerprint) -> Any:
+def main_function(name: str, print_: Fingerprint) -> Any:
     """What a ``__main__`` function sent by name is rebuilt by: this process's own
-    function of that name, which must have the same code."""
-    found: Any = sys.modules.get("__main__")
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
+    top-level function of that name, which must have the same code."""
+    found = getattr(sys.modules.get("__main__"), name, None)
     if type(found) is types.FunctionType and fingerprint(found.__code__) == print_:
         return found
     problem = "has no function of that name" if type(found) is not types.FunctionType else \
         "has a function of that name with other code"
     raise LookupError(
-        f"function __main__.{qualname} came by name from a worker that runs the same program, "
+        f"function __main__.{name} came by name from a worker that runs the same program, "
         f"but this process's __main__ {problem}: define it on every worker alike, at module level"
     )
