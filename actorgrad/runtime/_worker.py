@@ -62,6 +62,8 @@ _sched_yield = getattr(os, "sched_yield", lambda: None)  # not on every platform
 # While an answer is awaited, poll up to this many times RpcOptions.spin_us (keep_hot).
 _WAIT_SPIN_FACTOR = 10
 
+_STORE_LINGER = 2.0  # most a rendezvous host waits at shutdown for workers still in it
+
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
 
@@ -299,6 +301,10 @@ class Worker:
             raise
         if isinstance(self._store, FileStore):
             await self._store.set(f"left/{self.rank}", "1")
+        else:
+            # done with the rendezvous: hanging up tells its host (rank 0), which waits at
+            # its shutdown for every worker still reading its last answer
+            await self._store.close()
         self._heartbeat_task = self.loop.create_task(self._heartbeats(), context=self._context.copy())
         _current.register(self)
 
@@ -842,7 +848,9 @@ class Worker:
         if self._store is not None:
             await self._store.close()
         if self._store_server is not None:
-            await self._store_server.close(linger=store_linger)
+            # workers still in the rendezvous (a group shut down right after it formed)
+            # get their last answers first; the others have hung up already
+            await self._store_server.close(linger=max(store_linger, _STORE_LINGER))
         if isinstance(self._store, FileStore) and self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self._store.path)

@@ -928,3 +928,33 @@ def test_local_value_in_a_plain_script_runs_the_loop_until_the_value_is_made(tmp
     ), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "VALUE 42" in proc.stdout
+
+
+async def test_a_group_shut_down_as_it_forms_lets_every_worker_finish_its_rendezvous(make_group):
+    # worker0 may see everyone ready and shut down while another worker has yet to read
+    # that answer: the rendezvous host waits for workers still connected (it reset them,
+    # and their start failed), and workers hang up once formed, so it rarely waits
+    from actorgrad.runtime._rendezvous import StoreServer, TcpStore
+
+    group = await make_group(3)
+    clients = group.workers[0]._store_server._clients
+    deadline = time.monotonic() + 2
+    while clients and time.monotonic() < deadline:  # noqa: ASYNC110 - the host sees EOFs
+        await asyncio.sleep(0.01)
+    assert not clients  # everyone hung up once formed
+
+    server = StoreServer()
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    early, late = TcpStore("127.0.0.1", port), TcpStore("127.0.0.1", port)
+    deadline = time.monotonic() + 5
+    await early.connect(deadline)
+    await late.connect(deadline)
+    await early.set("ready/0", "1")
+    await early.set("ready/1", "1")
+    await early.close()
+    closing = asyncio.ensure_future(server.close(linger=2.0))  # as worker0 shuts down
+    await asyncio.sleep(0.1)
+    assert set(await asyncio.wait_for(late.wait_prefix("ready/", 2), 2)) == {"ready/0", "ready/1"}
+    await late.close()
+    await asyncio.wait_for(closing, 3)
