@@ -216,6 +216,7 @@ class DistContext:
     graph_tasks: dict[int, Any] = field(default_factory=dict)  # backward id -> GraphTask
     hooked: dict[Any, Any] = field(default_factory=dict)  # stop node -> pre-hook handle
     graph_freed: bool = False  # a backward without retain_graph ran here
+    failed_backward: str | None = None  # why a backward started here failed midway
     released: bool = False
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:

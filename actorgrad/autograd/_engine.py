@@ -873,7 +873,8 @@ async def backward(
 
     Raises:
         ContextError: unknown context, bad roots, a second backward after one without
-            ``retain_graph``, or (FAST mode) an RPC whose output the roots do not use.
+            ``retain_graph`` or after one that failed midway (its gradients are partial),
+            or (FAST mode) an RPC whose output the roots do not use.
         RemoteError / WorkerLost / RpcTimeout: a peer failed during the backward.
     """
     worker = get_worker()
@@ -897,6 +898,12 @@ async def backward(
             )
     contexts = context_actor(worker)
     ctx = contexts.get(context_id)
+    if ctx.failed_backward is not None:
+        raise ContextError(
+            f"a backward in context {context_id} failed ({ctx.failed_backward}); the "
+            "gradients it added there are partial, so the context takes no other "
+            "backward: run the forward again in a new context"
+        )
     if ctx.graph_freed:
         raise ContextError(
             f"backward already ran in context {context_id} without retain_graph=True; "
@@ -905,12 +912,18 @@ async def backward(
     engine = engine_actor(worker)
     task = GraphTask(contexts.new_id(), mode, retain_graph)
     ctx.graph_tasks[task.backward_id] = task
+    running = False
     try:
         with _ReleasedGuard(engine, ctx):
             if mode == "smart":
                 await engine.discover(ctx, task, roots)
             await engine.plan(ctx, task, roots)
+            running = True
             report = await engine.run_start(ctx, task, ROOTS, roots, [torch.ones_like(r) for r in roots])
+    except BaseException as error:
+        if running:  # some gradients may have been added already
+            ctx.failed_backward = type(error).__name__
+        raise
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)
     if ctx.released:  # its entries went mid-pass: what was planned from them is partial
@@ -920,12 +933,14 @@ async def backward(
     if mode == "fast":
         unused = sorted(report.pairs - report.fired)
         if unused:
+            ctx.failed_backward = "FAST mode, unused RPC"
             first = unused[0]
             described = await _describe_pair(worker, ctx, first)
             raise ContextError(
                 f"FAST mode backward in context {context_id}: {len(unused)} RPC send/recv "
                 f"pair(s) received no gradient, first autograd message {first} "
                 f"({described}). FAST mode assumes every RPC's output takes part "
-                "in the loss (PyTorch would wait forever here); use "
-                "backward(..., mode=\"smart\") to skip unused RPCs."
+                "in the loss (PyTorch would wait forever here); run the forward again "
+                "in a new context and call backward(..., mode=\"smart\") (or set "
+                "RpcOptions(autograd_mode=\"smart\")) to skip unused RPCs."
             )

@@ -193,6 +193,39 @@ async def test_unused_rpc_fast_mode_raises(group2):
     await wait_released(["worker0", "worker1"])
 
 
+async def test_no_backward_after_a_failed_one_in_the_same_context(group2):
+    """A failed pass has already added some gradients (FAST mode: those of the used RPCs):
+    another backward there would add to those partial ones, so it is refused, naming
+    why; the forward run again in a new context in SMART mode gives local autograd's."""
+    async with ag.autograd.context() as context_id:
+        (a, b, c), d, _e = await _unused_rpc_forward()
+        with pytest.raises(ag.ContextError, match="new context"):
+            await asyncio.wait_for(
+                ag.autograd.backward(context_id, [d.sum()], retain_graph=True, mode="fast"), 10
+            )
+        with pytest.raises(ag.ContextError, match="failed.*partial"):
+            await asyncio.wait_for(
+                ag.autograd.backward(context_id, [d.sum()], mode="smart"), 10
+            )
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", failing_fn, args=(x,))
+        with pytest.raises(ag.RemoteError):
+            await asyncio.wait_for(
+                ag.autograd.backward(context_id, [(y * x).sum()], retain_graph=True), 10
+            )
+        with pytest.raises(ag.ContextError, match="RemoteError"):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [x.sum()]), 10)
+    async with ag.autograd.context() as context_id:
+        (a, b, c), d, _e = await _unused_rpc_forward()
+        await asyncio.wait_for(ag.autograd.backward(context_id, [d.sum()], mode="smart"), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    la, lb, lc = local_copies(a, b, c)
+    (la + lb).sum().backward()
+    assert_grads(grads, [(a, la.grad), (b, lb.grad), (c, None)])
+    await wait_released(["worker0", "worker1"])
+
+
 async def test_unused_rpc_smart_mode_skips(group2):
     async with ag.autograd.context() as context_id:
         (a, b, c), d, _e = await _unused_rpc_forward()
