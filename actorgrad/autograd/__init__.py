@@ -49,8 +49,8 @@ def _setup(worker: _Worker) -> None:
     worker.extensions["autograd.context"] = contexts
     worker.extensions["autograd.engine"] = engine
     worker.register(_PropagateGrads.TARGET, engine.on_propagate)
-    worker.register(_PropagateGrads.DELEGATED, engine.on_delegated_propagate)
-    worker.register(_ReleaseContext.TARGET, contexts.on_release)
+    worker.register(_PropagateGrads.DELEGATED, engine.on_delegated_propagate, tell_only=True)
+    worker.register(_ReleaseContext.TARGET, contexts.on_release, tell_only=True)
     worker.register(_DESCRIBE, contexts.on_describe)
     worker.add_lost_listener(contexts.on_worker_lost)
     worker.register(_Traverse.TARGET, engine.on_traverse)

@@ -119,11 +119,11 @@ class CollectiveActor:
         self._cma: dict[int, bool | None] = {}  # peer -> can it read our memory (None: probing)
         self._peer_pid: dict[int, int] = {}  # peers whose memory we can read
         self._token = _cma.Token() if self.use_cma else None
-        worker.register(CMA_PROBE_TARGET, self._on_cma_probe)
-        worker.register(CMA_REPLY_TARGET, self._on_cma_reply)
-        worker.register(_ops.MSG_TARGET, self._on_msg)
-        worker.register(P2P_TARGET, self._on_p2p)
-        worker.register(P2P_ACK_TARGET, self._on_p2p_ack)
+        worker.register(CMA_PROBE_TARGET, self._on_cma_probe, tell_only=True)
+        worker.register(CMA_REPLY_TARGET, self._on_cma_reply, tell_only=True)
+        worker.register(_ops.MSG_TARGET, self._on_msg, tell_only=True)
+        worker.register(P2P_TARGET, self._on_p2p, tell_only=True)
+        worker.register(P2P_ACK_TARGET, self._on_p2p_ack, tell_only=True)
         worker.add_lost_listener(self._on_lost)
         self.arenas = ArenaChannel(self)
 

@@ -89,7 +89,7 @@ class ArenaChannel:
         self._handle: asyncio.Handle | None = None
         self._timer = False  # _handle is the sleeping timer
         self._spin_until = 0.0
-        self.worker.register(NUDGE_TARGET, self._on_nudge)
+        self.worker.register(NUDGE_TARGET, self._on_nudge, tell_only=True)
 
     def active(self, gid: int) -> bool:
         """Whether the tiny all-reduces of group ``gid`` go through shared memory now."""

@@ -222,5 +222,5 @@ def setup(worker: Worker) -> None:
     worker.extensions["optim"] = actor
     worker.register(CreateOptimizer.TARGET, actor.on_create)
     worker.register(OptStep.TARGET, actor.on_step)
-    worker.register(DropOptimizer.TARGET, actor.on_drop)
+    worker.register(DropOptimizer.TARGET, actor.on_drop, tell_only=True)
     worker.add_lost_listener(actor.on_worker_lost)

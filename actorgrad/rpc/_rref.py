@@ -484,5 +484,5 @@ def install_handlers(worker: Worker) -> None:
 
     worker.register("rref.create", create)
     worker.register("rref.fetch", fetch)
-    worker.register("rref.add_fork", add_fork)
-    worker.register("rref.del_fork", del_fork)
+    worker.register("rref.add_fork", add_fork, tell_only=True)
+    worker.register("rref.del_fork", del_fork, tell_only=True)

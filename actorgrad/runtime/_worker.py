@@ -139,6 +139,7 @@ class Worker:
         self.closed = False
         self.shutting_down = False
         self._handlers: dict[str, Handler] = {}
+        self._tell_only: set[str] = set()
         self.serving_request = 0  # request id of the call whose handler runs right now
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
         self._server: asyncio.Server | None = None
@@ -165,9 +166,9 @@ class Worker:
         self._hot_until = 0.0
         self._expect_until = 0.0  # see expect_message
         self._spinning = False
-        self.register("runtime.done", self._on_peer_done)
+        self.register("runtime.done", self._on_peer_done, tell_only=True)
         self.register("runtime.ping", lambda peer, payload: Payload.dump(None))
-        self.register("trace.set", self._on_trace_set)
+        self.register("trace.set", self._on_trace_set, tell_only=True)
         self.register("trace.collect", lambda peer, payload: Payload.dump(self.tracer.snapshot()))
 
     # -- identity -------------------------------------------------------------------
@@ -416,7 +417,7 @@ class Worker:
             peer.flush()
 
     # -- messages -------------------------------------------------------------------
-    def register(self, target: str, handler: Handler) -> None:
+    def register(self, target: str, handler: Handler, *, tell_only: bool = False) -> None:
         """Route messages for ``target`` to ``handler(peer, payload)``.
 
         The handler runs synchronously on the loop when the message arrives (so its
@@ -424,8 +425,14 @@ class Worker:
         awaitable of one (run as a task), or None (for tells; for a call: the handler
         passed the duty to answer on, see :meth:`answer`; the awaitable may end in None
         too). While a call's handler runs, ``serving_request`` is its request id.
+        A ``tell_only`` target answers nobody, so a call to it is refused at once
+        (its caller would otherwise wait for its timeout).
         """
         self._handlers[target] = handler
+        if tell_only:
+            self._tell_only.add(target)
+        else:
+            self._tell_only.discard(target)
 
     def answer(self, to: int, request_id: int, result: Payload | BaseException) -> None:
         """Answer the call ``request_id`` that worker ``to`` made, to whichever worker.
@@ -544,6 +551,8 @@ class Worker:
         try:
             if handler is None:
                 raise ProtocolError(f"{self.name} has no handler for {msg.target!r}")
+            if msg.target in self._tell_only:
+                raise ProtocolError(f"{msg.target!r} is only told, never called (it answers nobody)")
             self.serving_request = msg.request_id
             reply = handler(peer, msg.payload)
         except BaseException as exc:  # no task here: a CancelledError is the function's own

@@ -958,3 +958,18 @@ async def test_a_group_shut_down_as_it_forms_lets_every_worker_finish_its_rendez
     assert set(await asyncio.wait_for(late.wait_prefix("ready/", 2), 2)) == {"ready/0", "ready/1"}
     await late.close()
     await asyncio.wait_for(closing, 3)
+
+
+async def test_a_call_to_a_tell_only_target_is_refused_at_once(make_group):
+    """An internal message that is only ever told (its handler answers nobody) used as
+    a call: answered with a ProtocolError naming it, instead of a wait for the timeout;
+    the worker keeps serving."""
+    group = await make_group(2)
+    w0 = group.workers[0]
+    started = time.monotonic()
+    with pytest.raises(ag.RemoteError, match=r"ProtocolError.*rref\.del_fork.*only told"):
+        await asyncio.wait_for(w0.call(1, "rref.del_fork", Payload.dump((1, 2)), 30), 10)
+    with pytest.raises(ag.RemoteError, match=r"no handler for 'no.such.target'"):
+        await asyncio.wait_for(w0.call(1, "no.such.target", Payload.dump(None), 30), 10)
+    assert time.monotonic() - started < 5
+    assert await ag.rpc_async("worker1", torch.add, args=(1, 2)) == 3
