@@ -72,9 +72,45 @@ async def run_user_function(
         if policy is not None and policy.learning(code := policy.key(func), nbytes):
             job = policy.timed(code, job, nbytes)  # type: ignore[arg-type]
         value = await worker.run_blocking(job)
+    return await _resolved(value) if _pending(value) else value
+
+
+_TorchFuture = torch.futures.Future
+
+
+def _pending(value: Any) -> bool:
+    """Whether a remote function's return value stands for one still to come: an
+    awaitable, or a torch future (torch's ``@rpc.functions.async_execution`` idiom)."""
+    return isinstance(value, _TorchFuture) or inspect.isawaitable(value)
+
+
+async def _resolved(value: Any) -> Any:
     if inspect.isawaitable(value):
         value = await value
+    if isinstance(value, _TorchFuture):
+        value = await _torch_future_value(value)
     return value
+
+
+def _torch_future_value(future: torch.futures.Future[Any]) -> asyncio.Future[Any]:
+    """An asyncio future of ``future``'s value; it may be completed on any thread."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[Any] = loop.create_future()
+
+    def settle(done: torch.futures.Future[Any]) -> None:
+        if waiter.done():
+            return
+        try:
+            waiter.set_result(done.value())
+        except BaseException as exc:  # the future's own error, as torch raises it
+            waiter.set_exception(exc)
+
+    def completed(done: torch.futures.Future[Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, done)
+
+    future.add_done_callback(completed)
+    return waiter
 
 
 def _call_inline(
@@ -169,12 +205,12 @@ def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payloa
     if inline:  # answer without a task
         with hooks.scope(worker, meta):
             value = _call_inline(policy, func, args, kwargs, nbytes)
-            if not inspect.isawaitable(value):
+            if not _pending(value):
                 return dump_value(worker, value, peer.rank)
 
         async def finish() -> Payload:  # a function that returned an awaitable
             with hooks.scope(worker, meta):
-                return dump_value(worker, await value, peer.rank)
+                return dump_value(worker, await _resolved(value), peer.rank)
 
         return finish()
 

@@ -572,3 +572,51 @@ async def test_2000_calls_in_flight(group2):
 async def test_args_none_means_no_arguments_as_in_torch(group2):
     assert await ag.rpc_async("worker1", where_am_i, args=None) == "worker1"
     assert await ag.remote("worker1", where_am_i, args=None, kwargs=None).to_here() == "worker1"
+
+
+class BatchUpdater:
+    """torch's batch-processing parameter server (its async_execution tutorial): each
+    call returns a torch.futures.Future that is completed once ``size`` calls came in."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.lock = size, threading.Lock()
+        self.pending: list[torch.Tensor] = []
+        self.future: torch.futures.Future = torch.futures.Future()
+
+    @staticmethod
+    @torch.distributed.rpc.functions.async_execution
+    def add(rref: ag.RRef, value: torch.Tensor) -> torch.futures.Future:
+        self = rref.local_value()
+        with self.lock:
+            self.pending.append(value)
+            future = self.future
+            if len(self.pending) == self.size:
+                total = torch.stack(self.pending).sum(0)
+                self.pending, self.future = [], torch.futures.Future()
+                if total.isnan().any():
+                    future.set_exception(ValueError("a NaN in the batch"))
+                else:
+                    future.set_result(total)
+        return future
+
+
+async def add_soon(x: torch.Tensor) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    asyncio.get_running_loop().call_later(0.05, future.set_result, x + 1)
+    return future
+
+
+async def test_a_returned_torch_future_is_waited_for_as_in_torch(group2):
+    """A function returning a torch.futures.Future (torch's @async_execution idiom)
+    answers with the future's value once it completes, or with its error."""
+    updater = ag.remote("worker1", BatchUpdater, args=(3,))
+    values = [torch.full((2,), float(i)) for i in range(3)]
+    calls = [ag.rpc_async("worker1", BatchUpdater.add, args=(updater, v)) for v in values]
+    for result in await asyncio.wait_for(asyncio.gather(*calls), 10):
+        assert torch.equal(result, sum(values))
+    bad = [torch.zeros(2), torch.zeros(2), torch.full((2,), float("nan"))]
+    calls = [ag.rpc_async("worker1", BatchUpdater.add, args=(updater, v)) for v in bad]
+    for outcome in await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10):
+        assert isinstance(outcome, ag.RemoteError) and "a NaN in the batch" in str(outcome)
+    x = torch.rand(3)
+    assert torch.equal(await ag.rpc_async("worker1", add_soon, args=(x,)), x + 1)
