@@ -95,12 +95,19 @@ async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         _current.current_worker.set(None)
 
 
-def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
-    """The WorkerInfo of a worker by name or rank; ``None`` means this worker."""
+def get_worker_info(
+    name_or_rank: str | int | WorkerInfo | None = None, *, worker_name: str | int | None = None
+) -> WorkerInfo:
+    """The WorkerInfo of a worker by name or rank; ``None`` means this worker.
+    ``worker_name`` is torch's name for the argument."""
+    if worker_name is not None:
+        if name_or_rank is not None:
+            raise TypeError("get_worker_info() takes name_or_rank or worker_name, not both")
+        name_or_rank = worker_name
     worker = get_worker()
-    if worker_name is None:
+    if name_or_rank is None:
         return worker.info
-    return worker.resolve(worker_name)
+    return worker.resolve(name_or_rank)
 
 
 def get_rank() -> int:

@@ -329,7 +329,8 @@ async def _backward_here(rref: RRef[Any], context_id: int, retain_graph: bool) -
     """RRef.backward on the owner (the autograd layer sits above this one)."""
     from ..autograd import backward
 
-    await backward(context_id, [rref.local_value()], retain_graph=retain_graph)
+    root: Any = await rref.to_here()  # the value itself here, once created (as torch waits)
+    await backward(context_id, [root], retain_graph=retain_graph)
 
 
 def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:

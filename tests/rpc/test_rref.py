@@ -583,6 +583,22 @@ async def test_rref_backward_starts_a_distributed_backward_on_the_owner(group2):
     assert w.grad is None
 
 
+def slow_loss(seconds: float, w: torch.Tensor) -> torch.Tensor:
+    time.sleep(seconds)
+    return (w * w).sum()
+
+
+@pytest.mark.parametrize("owner", ["worker0", "worker1"])
+async def test_rref_backward_waits_for_a_value_still_being_created(group2, owner):
+    """As torch: backward right after remote() waits for the root to exist."""
+    w = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        loss = ag.remote(owner, slow_loss, args=(0.3, w))
+        await asyncio.wait_for(loss.backward(cid), 10)
+        grads = ag.autograd.get_gradients(cid)
+    assert torch.allclose(grads[w], 2 * w.detach())
+
+
 async def test_rref_backward_without_a_context_is_local_and_on_the_owner_only(group2):
     w = torch.rand(3, requires_grad=True)
     here = ag.RRef((w * 3).sum())

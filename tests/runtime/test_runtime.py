@@ -246,6 +246,11 @@ async def test_get_worker_info_in_group(group3):
     assert ag.get_worker_info("worker2") == ag.WorkerInfo("worker2", 2)
     assert ag.get_worker_info(1).name == "worker1"
     assert ag.get_worker_info(1).id == 1
+    # by keyword: API.md's name, and torch's
+    assert ag.get_worker_info(name_or_rank="worker2") == ag.WorkerInfo("worker2", 2)
+    assert ag.get_worker_info(worker_name="worker1") == ag.WorkerInfo("worker1", 1)
+    with pytest.raises(TypeError, match="not both"):
+        ag.get_worker_info("worker1", worker_name="worker2")
     assert ag.get_rank() == 0
     assert ag.get_world_size() == 3
     with pytest.raises(ValueError, match="nope"):
