@@ -42,9 +42,15 @@ class RemoteError(ActorgradError):
         super().__init__(f"{remote_type} on {worker}: {message}")
 
     def __reduce__(self) -> tuple[object, ...]:
+        # the cause and the notes travel too: a worker that passes on the RemoteError of
+        # its own call gives its caller the original error (see Worker._remote_error)
+        state = dict(self.__dict__)
+        if self.__cause__ is not None:
+            state["__cause__"] = self.__cause__
         return (
             type(self),
             (self.worker, self.remote_type, self.remote_message, self.remote_traceback),
+            state,
         )
 
     def __str__(self) -> str:

@@ -105,6 +105,11 @@ def error_payload(exc: BaseException) -> Payload:
         pickled: bytes | None = cloudpickle.dumps(exc)
     except Exception:
         pickled = None
+        if isinstance(exc, RemoteError) and exc.__cause__ is not None:
+            # its cause (another worker's exception) cannot travel on: the rest can
+            bare = RemoteError(exc.worker, exc.remote_type, exc.remote_message, exc.remote_traceback)
+            with contextlib.suppress(Exception):
+                pickled = cloudpickle.dumps(bare)
     return Payload.dump((*describe_error(exc), pickled))
 
 
@@ -644,9 +649,10 @@ class Worker:
                 exc = pickle.loads(pickled)
             except Exception:
                 exc = None  # e.g. an exception class whose __init__ needs other arguments
-            if isinstance(exc, (WorkerLost, RpcTimeout)):
-                # a peer of the callee died or timed out: the caller sees the same kind
-                # of error it would for its own peer, and learns who reported it
+            if isinstance(exc, (WorkerLost, RpcTimeout, RemoteError)):
+                # a peer of the callee died or timed out, or a function it called raised:
+                # the caller sees the same error it would have seen calling that peer
+                # itself (the original type, worker and cause), and learns who passed it on
                 exc.add_note(f"reported by {peer.name}; remote traceback:\n{tb}")
                 return exc
             if isinstance(exc, BaseException):

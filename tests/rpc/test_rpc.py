@@ -278,6 +278,32 @@ async def test_rpc_async_nested_in_async_function(group3):
     assert torch.allclose(y, 2 * x - 1)
 
 
+async def call_worker2(func: object, *args: object) -> object:
+    return await ag.rpc_async("worker2", func, args=args)
+
+
+def raise_unpicklable_saying(message: str) -> None:
+    raise HoldsLock(message)
+
+
+@pytest.mark.parametrize(("func", "kind"), [(raise_value_error, ValueError), (raise_unpicklable_saying, None)])
+async def test_a_nested_remote_error_reaches_the_caller_as_the_original(group3, func, kind):
+    """worker1 passes on the RemoteError of its call to worker2: the caller gets the
+    error worker2 raised (type, worker, cause), as if it had called worker2 itself, and
+    a note naming worker1; an exception that cannot be pickled keeps its name and text."""
+    with pytest.raises(ag.RemoteError) as info:
+        await asyncio.wait_for(ag.rpc_async("worker1", call_worker2, args=(func, "deep 31")), 10)
+    error = info.value
+    assert error.worker == "worker2"
+    if kind is None:
+        assert error.remote_type.endswith("HoldsLock") and error.__cause__ is None
+        assert "deep 31" in str(error)
+    else:
+        assert error.remote_type == "ValueError" and "deep 31" in str(error)
+        assert isinstance(error.__cause__, kind) and str(error.__cause__) == "deep 31"
+    assert any("reported by worker1" in note for note in error.__notes__)
+
+
 # --------------------------------------------------------------------------------------
 # tensors on the wire
 
