@@ -9,10 +9,14 @@ loopback sockets: fast to start, and every message still crosses the wire format
 from __future__ import annotations
 
 import asyncio
+import atexit
+import base64
 import contextlib
 import contextvars
 import dataclasses
+import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -141,6 +145,15 @@ class LocalGroup:
         for proc in self.processes:
             while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a child
                 await asyncio.sleep(0.05)
+        self.end_processes(deadline)
+
+    def end_processes(self, deadline: float) -> None:
+        """Wait until ``deadline`` for the processes to exit, kill those still there,
+        and remove the logs unless a worker failed on its own."""
+        _unfinished.discard(self)
+        for proc in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -160,12 +173,18 @@ async def local_group(
     with it if it disappears.
     """
     port = free_port()
-    logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
     child_env = dict(os.environ)
     child_env.update(env or {})
     child_env.setdefault("ACTORGRAD_AUTH_KEY", os.urandom(16).hex())
     os.environ.setdefault("ACTORGRAD_AUTH_KEY", child_env["ACTORGRAD_AUTH_KEY"])
     child_env["PYTHONUNBUFFERED"] = "1"
+    # what the workers need to run this process's functions as it would: its import
+    # path (a test module, a sys.path.insert in a notebook; as multiprocessing passes
+    # sys.path on) and the options of the group
+    child_env[CHILD_SYS_PATH_ENV] = json.dumps([p or os.getcwd() for p in sys.path])
+    if options is not None:
+        child_env[CHILD_OPTIONS_ENV] = _encode_options(options)
+    logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
     processes = []
     for rank in range(1, world_size):
         log = open(os.path.join(logdir, f"worker{rank}.log"), "wb")  # noqa: SIM115, ASYNC230
@@ -199,11 +218,49 @@ async def local_group(
                 f"{processes[rank - 1].returncode} before the group formed; the end of its "
                 f"log ({os.path.join(logdir, f'worker{rank}.log')}):\n{tail}"
             ) from None
+        shutil.rmtree(logdir, ignore_errors=True)  # we ended them: nothing to keep
         raise
     finally:
         watcher.cancel()
     _current.set_default(_current.current_worker.get())
+    _unfinished.add(group)
     return group
+
+
+_unfinished: set[LocalGroup] = set()  # started, not shut down
+
+
+@atexit.register
+def _end_unfinished_groups() -> None:
+    """A program (a notebook kernel, a script that raised) that ends without
+    ``group.shutdown()``: its workers follow it out on their own; reap them and remove
+    the logs, as shutdown would."""
+    for group in list(_unfinished):
+        group.end_processes(time.monotonic() + 3.0)
+
+
+CHILD_SYS_PATH_ENV = "ACTORGRAD_LOCAL_GROUP_SYS_PATH"
+CHILD_OPTIONS_ENV = "ACTORGRAD_LOCAL_GROUP_OPTIONS"
+
+
+def _encode_options(options: RpcOptions) -> str:
+    if options.ssl_context is not None or options.ssl_client_context is not None:
+        raise ValueError(
+            "local_group cannot hand SSL contexts to its worker processes; start TLS "
+            "groups with `actorgrad launch` and init_rpc in each process"
+        )
+    # each worker listens where the kernel puts it: a fixed listen_port is worker0's
+    return base64.b64encode(pickle.dumps(dataclasses.replace(options, listen_port=0))).decode()
+
+
+def child_setup() -> RpcOptions | None:
+    """In a worker process of local_group: take its parent's import path, and return
+    the group's options (None: the defaults)."""
+    parent_path = json.loads(os.environ.pop(CHILD_SYS_PATH_ENV, "[]"))
+    if parent_path:
+        sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]
+    encoded = os.environ.pop(CHILD_OPTIONS_ENV, None)
+    return None if encoded is None else pickle.loads(base64.b64decode(encoded))
 
 
 async def _watch_start(processes: list[subprocess.Popen[bytes]], starter: asyncio.Task[Any] | None,

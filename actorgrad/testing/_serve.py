@@ -12,9 +12,12 @@ import actorgrad as ag
 
 
 async def serve(rank: int, world_size: int, init_method: str, parent: int) -> None:
-    await ag.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, init_method=init_method)
     from ..runtime import get_worker
-    from ._group import follow_leader
+    from ._group import child_setup, follow_leader
+
+    options = child_setup()
+    await ag.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, init_method=init_method,
+                      options=options)
 
     def parent_alive() -> bool:
         try:
