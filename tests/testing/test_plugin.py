@@ -71,6 +71,56 @@ def test_plugin_fixture_in_both_asyncio_modes(pytester: pytest.Pytester, mode: s
     assert "Task was destroyed" not in result.stdout.str()
 
 
+USER_SUITE = '''
+import pytest
+import torch
+import actorgrad as ag
+
+
+def add_one(x):
+    return x + 1
+
+
+async def test_unmarked_in_strict_mode(actorgrad_group):
+    assert await ag.rpc_async("worker1", add_one, args=(torch.ones(2),)) is not None
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_on_a_module_loop(actorgrad_group):
+    assert await ag.rpc_async("worker1", max, args=(3, 4)) == 4
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.world_size(3)
+async def test_on_the_session_loop(actorgrad_group):
+    assert await ag.rpc_async("worker2", add_one, args=(1,)) == 2
+
+
+async def test_a_worker_process_runs_this_modules_function(actorgrad_process_group):
+    assert await ag.rpc_async("worker1", add_one, args=(41,)) == 42
+
+
+@pytest.mark.world_size(True)
+async def test_a_bool_is_no_world_size(actorgrad_group):
+    pass
+'''
+
+
+@pytest.mark.slow
+def test_plugin_in_a_users_own_suite(pytester: pytest.Pytester) -> None:
+    """What a user's suite does outside this repository: strict mode with no asyncio
+    marks, test loops of other scopes, fixture loops defaulting to the session's, and
+    a test directory without __init__.py whose functions worker processes must import."""
+    pytester.mkdir("tests")
+    pytester.path.joinpath("tests", "test_users.py").write_text(USER_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-o", "asyncio_mode=strict",
+        "-o", "asyncio_default_fixture_loop_scope=session", "-q", "tests",
+    )
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["*world_size needs a positive int, got True*"])
+
+
 @pytest.mark.slow
 def test_process_group_fixture(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_proc='''
@@ -128,3 +178,33 @@ async def test_local_group_keeps_logs_only_of_workers_that_failed_on_their_own()
     assert crashed.processes[0].returncode == 3
     assert os.path.exists(os.path.join(crashed.logdir, "worker1.log"))  # noqa: ASYNC240
     shutil.rmtree(crashed.logdir)
+
+
+def _options_here() -> tuple[float, bool, bool]:
+    from actorgrad.runtime import get_worker
+
+    options = get_worker().options
+    return options.rpc_timeout, options.trace, options.auth_key == "a key of ours"
+
+
+async def test_local_group_workers_import_like_this_process_and_share_its_options(
+    tmp_path, monkeypatch  # type: ignore[no-untyped-def]
+) -> None:
+    """As multiprocessing's spawn does: a module found through this process's sys.path
+    (a notebook's sys.path.insert, pytest's rootdir or pythonpath) is found by the
+    workers too; and the options given to local_group are every worker's."""
+    import actorgrad as ag
+    from actorgrad.testing import local_group
+
+    (tmp_path / "helpers_only_here.py").write_text("def double(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import helpers_only_here  # type: ignore[import-not-found]
+
+    options = ag.RpcOptions(rpc_timeout=7.5, trace=True, auth_key="a key of ours")
+    group = await local_group(2, options=options)
+    try:
+        assert await ag.rpc_async("worker1", helpers_only_here.double, args=(21,)) == 42
+        assert await ag.rpc_async("worker1", _options_here) == (7.5, True, True)
+    finally:
+        await group.shutdown()
+    assert not os.path.exists(group.logdir)  # noqa: ASYNC240
