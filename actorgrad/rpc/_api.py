@@ -291,7 +291,14 @@ def rpc_sync(
     """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
     calling another worker) and in Jupyter's running loop."""
     worker = get_worker()
-    return run_sync(worker, _in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)))
+    return run_sync(worker, _in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)),
+                    _answer_within(worker, timeout))
+
+
+def _answer_within(worker: Worker, timeout: float | None) -> float | None:
+    """The time limit of a call made with ``timeout`` (None: no limit)."""
+    limit = worker.options.rpc_timeout if timeout is None else timeout
+    return limit if isinstance(limit, (int, float)) and limit > 0 else None
 
 
 def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
@@ -327,7 +334,8 @@ def remote(
     worker = get_worker()
     if not _on_loop(worker):
         return run_sync(worker, _in_callers_grad_mode(
-            lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout))))
+            lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout))),
+            _answer_within(worker, timeout))
     return create_remote(worker, to, func, args, kwargs, timeout)
 
 

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._errors import RpcTimeout
+
 if TYPE_CHECKING:
     from ._worker import Worker
 
@@ -29,7 +31,7 @@ def blocking_calls() -> int:
     return getattr(_blocking, "calls", 0)
 
 
-def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: float | None = None) -> T:
+def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], answer_within: float | None = None) -> T:
     """Run ``start()`` (which returns a future) on the worker's loop and block for it.
 
     - From a thread while another thread runs the loop (a remote function in the
@@ -40,20 +42,26 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], timeout: fl
       and take over driving when the driver is done before them.
     - From the loop's own thread while it runs (Jupyter, an ``async def`` that calls a
       blocking helper): re-enters the loop with ``nest_asyncio``, applied on demand.
+
+    ``answer_within`` (seconds, None: no limit) is the call's own timeout, which the
+    loop enforces; should the loop's thread be blocked (a notebook cell waiting for
+    threads that call ``rpc_sync``), the waiting thread gives up a little after it with
+    an RpcTimeout that says so, instead of waiting for a loop that cannot run.
     """
     loop = worker.loop
     if _running_loop() is loop:
         return _reenter(loop, start)
-    return _block_on(loop, start, timeout)
+    return _block_on(loop, start, answer_within)
 
 
-def await_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], timeout: float | None) -> Any:
+def await_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any],
+                     answer_within: float | None) -> Any:
     """Block a thread that is not running ``loop`` until a future of it is done."""
-    return _block_on(loop, lambda: fut, timeout)
+    return _block_on(loop, lambda: fut, answer_within)
 
 
 def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future[T]],
-              timeout: float | None) -> T:
+              answer_within: float | None) -> T:
     """Schedule ``start()`` on ``loop`` in this thread's contextvars and wait for its
     outcome, driving the loop meanwhile whenever nobody else does (see run_sync)."""
     if loop.is_closed():
@@ -69,15 +77,21 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
     note_blocking_call()
     ctx = contextvars.copy_context()
     result: concurrent.futures.Future[T] = concurrent.futures.Future()
+    began: list[asyncio.Future[T]] = []
 
     def begin() -> None:
+        if result.done():  # given up on while the loop could not run: never started
+            return
         try:
             fut = ctx.run(start)
         except BaseException as exc:
             result.set_exception(exc)
             return
+        began.append(fut)
 
         def done(f: asyncio.Future[T]) -> None:
+            if result.done():
+                return
             if f.cancelled():
                 result.cancel()
             elif (exc := f.exception()) is not None:
@@ -87,20 +101,35 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
 
         fut.add_done_callback(done)
 
+    def give_up() -> BaseException:
+        result.cancel()  # a begin() still queued starts nothing
+        loop.call_soon_threadsafe(lambda: [fut.cancel() for fut in began])
+        return RpcTimeout(
+            f"no answer within {answer_within}s, and the worker's event loop, which runs "
+            f"on another thread, has not run for {_STALL_GRACE}s since: a blocking call "
+            "needs that loop free (is its thread blocked, e.g. a notebook cell or a "
+            "coroutine waiting for threads that call *_sync?). "
+            + ("The call was sent and is cancelled." if began else "The call was never sent.")
+        )
+
     loop.call_soon_threadsafe(begin)
-    return _wait_driving(loop, result, timeout, can_drive)
+    stall = None if answer_within is None else (answer_within, give_up)
+    return _wait_driving(loop, result, can_drive, stall)
 
 
 _drivers: dict[int, threading.Lock] = {}  # per loop: held by the thread that runs it for run_sync
 _DRIVER_POLL = 0.005  # how often a waiting thread checks whether the loop still runs
+_STALL_GRACE = 2.0  # past the call's timeout, how long a loop may not run before we give up
 
 
 def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Future[T],
-                  timeout: float | None, can_drive: bool) -> T:
+                  can_drive: bool, stall: tuple[float, Callable[[], BaseException]] | None) -> T:
     """Wait for ``result``; run the loop meanwhile whenever nobody else does (and this
-    thread can: not while it runs another loop)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    thread can: not while it runs another loop). ``stall``: (the call's timeout, what
+    to raise when the loop, run by another thread, stopped running past it)."""
     driver = _drivers.setdefault(id(loop), threading.Lock())
+    check_at = None if stall is None else time.monotonic() + stall[0]
+    probe: threading.Event | None = None  # set by the loop when it runs again
     while True:
         if not loop.is_running() and not can_drive and not result.done():
             raise RuntimeError(
@@ -116,11 +145,17 @@ def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Fu
                         loop.run_until_complete(_until_done(result))
             finally:
                 driver.release()
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise TimeoutError("the worker's loop did not complete the call in time")
+        if check_at is not None and stall is not None and time.monotonic() >= check_at \
+                and loop.is_running() and not result.done():
+            # the loop should have answered by now (its own timer fails the call): ask
+            # whether it runs at all; one that did not within the grace is blocked
+            if probe is not None and not probe.is_set():
+                raise stall[1]()
+            probe = threading.Event()
+            loop.call_soon_threadsafe(probe.set)
+            check_at = time.monotonic() + _STALL_GRACE
         try:
-            return result.result(_DRIVER_POLL if left is None else min(left, _DRIVER_POLL))
+            return result.result(_DRIVER_POLL)
         except concurrent.futures.TimeoutError:
             if result.done():
                 raise  # the call's own RpcTimeout (a TimeoutError too), not the poll's

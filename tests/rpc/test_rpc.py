@@ -646,3 +646,26 @@ async def test_a_returned_torch_future_is_waited_for_as_in_torch(group2):
         assert isinstance(outcome, ag.RemoteError) and "a NaN in the batch" in str(outcome)
     x = torch.rand(3)
     assert torch.equal(await ag.rpc_async("worker1", add_soon, args=(x,)), x + 1)
+
+
+async def test_rpc_sync_from_a_thread_while_the_loops_thread_is_blocked(group2):
+    """A notebook cell that waits for threads calling rpc_sync blocks the loop those
+    calls need: they give up a little after their timeout, saying so, instead of
+    waiting for good (and the cell with them); the worker works on afterwards."""
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(ag.rpc_sync("worker1", max, args=(1, 2), timeout=1))
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what is checked
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call)
+    start = time.monotonic()
+    thread.start()
+    thread.join(20)  # blocks this loop's thread, as the cell does
+    assert not thread.is_alive() and time.monotonic() - start < 10
+    assert isinstance(outcome[0], ag.RpcTimeout), outcome
+    assert "has not run" in str(outcome[0]) and "never sent" in str(outcome[0])
+    await asyncio.sleep(0.1)
+    assert await ag.rpc_async("worker1", max, args=(1, 2)) == 2
