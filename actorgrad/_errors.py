@@ -6,8 +6,12 @@ Every class says who raises it and what the caller should do about it.
 from __future__ import annotations
 
 
-class ActorgradError(Exception):
-    """Base class of every error actorgrad raises on purpose."""
+class ActorgradError(RuntimeError):
+    """Base class of every error actorgrad raises on purpose.
+
+    A RuntimeError, as torch.distributed's errors are (and torch RPC's timeouts and
+    failures), so code ported from torch that catches RuntimeError catches these too.
+    """
 
 
 class ProtocolError(ActorgradError):

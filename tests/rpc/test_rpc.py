@@ -669,3 +669,12 @@ async def test_rpc_sync_from_a_thread_while_the_loops_thread_is_blocked(group2):
     assert "has not run" in str(outcome[0]) and "never sent" in str(outcome[0])
     await asyncio.sleep(0.1)
     assert await ag.rpc_async("worker1", max, args=(1, 2)) == 2
+
+
+def test_every_error_is_a_runtime_error_as_torchs_are():
+    """torch.distributed's errors and torch RPC's failures are RuntimeErrors: code ported
+    from torch that catches RuntimeError catches ours; the finer types stay."""
+    for cls in (ag.ActorgradError, ag.RemoteError, ag.RpcTimeout, ag.WorkerLost,
+                ag.ProtocolError, ag.AuthenticationError, ag.ContextError):
+        assert issubclass(cls, RuntimeError), cls
+    assert issubclass(ag.RpcTimeout, TimeoutError) and issubclass(ag.WorkerLost, ConnectionError)
