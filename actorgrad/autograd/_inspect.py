@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import Worker, get_worker
+from ..runtime import Worker, get_worker, run_sync
 from ..wire import Payload
 from ._context import context_actor
 from ._plan import make_plan
@@ -145,13 +145,43 @@ def install(worker: Worker) -> None:
     worker.register(_TARGET, describe)
 
 
-async def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> DistGraph:
-    """Collect the context's graph from every worker that took part (transitively).
+def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> GraphQuery:
+    """The context's graph, collected from every worker that took part (transitively):
+    ``await ag.autograd.graph(cid)`` gives the :class:`DistGraph`.
 
     Pass ``roots`` (e.g. ``[loss]``) to include the part of this worker's graph that
     only the loss reaches.
     """
-    worker = get_worker()
+    return GraphQuery(get_worker(), context_id, tuple(roots))
+
+
+class GraphQuery:
+    """What :func:`graph` returns: await it for the graph, or use it as the graph
+    (``graph(cid).to_dot()``) where blocking calls work (a script, a thread, Jupyter and
+    other asyncio loops, like ``rpc_sync``); collected once."""
+
+    def __init__(self, worker: Worker, context_id: int, roots: tuple[torch.Tensor, ...]) -> None:
+        self._worker, self._context_id, self._roots = worker, context_id, roots
+        self._graph: DistGraph | None = None
+
+    def __await__(self) -> Any:
+        return self._collected().__await__()
+
+    async def _collected(self) -> DistGraph:
+        if self._graph is None:
+            self._graph = await _collect(self._worker, self._context_id, self._roots)
+        return self._graph
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._graph is None:
+            worker = self._worker
+            self._graph = run_sync(worker, lambda: worker.loop.create_task(self._collected()))
+        return getattr(self._graph, name)
+
+
+async def _collect(worker: Worker, context_id: int, roots: Sequence[torch.Tensor]) -> DistGraph:
     result = DistGraph(context_id)
     parts = {worker.rank: describe_local(worker, context_id, roots)}
     frontier = set(parts[worker.rank]["peers"]) - set(parts)

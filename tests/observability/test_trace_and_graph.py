@@ -75,6 +75,20 @@ async def test_graph_joins_send_and_recv_across_workers(group2) -> None:  # type
     assert dot.startswith("digraph") and dot.count("subgraph") == 2 and "style=dashed" in dot
 
 
+async def test_graph_used_without_await_where_blocking_calls_work(group2) -> None:  # type: ignore[no-untyped-def]
+    """API.md's `ag.autograd.graph(context_id)` ... `.to_dot()` read literally: on an
+    asyncio loop (as rpc_sync) the graph is collected on first use; awaited it is the same."""
+    t1 = torch.rand(3, 3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        t3 = await ag.rpc_async("worker1", my_add, args=(t1, t1))
+        loss = t3.sum()
+        waited = await ag.autograd.graph(cid, roots=[loss])
+        used = ag.autograd.graph(cid, roots=[loss])
+        assert used.to_dot() == waited.to_dot()
+        assert used.nodes == waited.nodes and sorted(used.edges) == sorted(waited.edges)
+        assert any(n["worker"] == "worker1" for n in used.nodes.values())
+
+
 def _calls(path) -> int:  # type: ignore[no-untyped-def]
     events = json.loads(path.read_text())["traceEvents"]
     return sum(1 for e in events if e["pid"] == 0 and e["name"] == "call rpc.call")
