@@ -496,6 +496,11 @@ def _check_op(op: Any, t: torch.Tensor) -> None:
         raise TypeError(f"ReduceOp.AVG needs a floating point or complex tensor, got {t.dtype}")
     if op in (ReduceOp.MIN, ReduceOp.MAX) and t.is_complex():
         raise TypeError(f"ReduceOp.{op.name} is not defined for complex tensors")
+    if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"ReduceOp.{op.name} needs an integer or bool tensor, got {t.dtype}")
+
+
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def _check_list(lst: Any, g: Group, like: torch.Tensor, name: str, where: str) -> list[torch.Tensor]:

@@ -93,12 +93,15 @@ _NP = {
 _TORCH_OPS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
     ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
 }
 # the same elementwise operations on numpy arrays (cheaper for a few elements; every
 # binary step rounds like torch's: float16 is computed in float32 and rounded per step)
 _NUMPY_OPS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
     ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor,
 }
 
 
@@ -156,10 +159,8 @@ def reduce_into(acc: torch.Tensor, x: torch.Tensor, op: ReduceOp) -> None:
         acc.add_(x)
     elif op is ReduceOp.PRODUCT:
         acc.mul_(x)
-    elif op is ReduceOp.MIN:
-        torch.minimum(acc, x, out=acc)
     else:
-        torch.maximum(acc, x, out=acc)
+        _TORCH_OPS[op](acc, x, out=acc)
 
 
 def finish_avg(t: torch.Tensor, op: ReduceOp, n: int) -> None:

@@ -39,6 +39,9 @@ _OPS: dict[ReduceOp, Any] = {
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 
 PG = Any  # torch's ProcessGroupGloo / ProcessGroupNCCL

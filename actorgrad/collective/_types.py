@@ -17,7 +17,8 @@ class ReduceOp(enum.Enum):
     """How :func:`all_reduce` and :func:`reduce` combine the tensors of the ranks.
 
     ``AVG`` is the sum divided by the group size (floating point and complex only);
-    ``MIN``/``MAX`` are not defined for complex tensors.
+    ``MIN``/``MAX`` are not defined for complex tensors; ``BAND``/``BOR``/``BXOR``
+    (bitwise and, or, exclusive or) are for integer and bool tensors, as in torch.
     """
 
     SUM = "sum"
@@ -25,6 +26,9 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"

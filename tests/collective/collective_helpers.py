@@ -45,8 +45,14 @@ def expected(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
             out = out * t
         elif op is ReduceOp.MIN:
             out = torch.minimum(out, t)
-        else:
+        elif op is ReduceOp.MAX:
             out = torch.maximum(out, t)
+        elif op is ReduceOp.BAND:
+            out = out & t
+        elif op is ReduceOp.BOR:
+            out = out | t
+        else:
+            out = out ^ t
     if op is ReduceOp.AVG:
         out = out / len(tensors)
     return out

@@ -28,15 +28,20 @@ def inp(rank: int, shape: tuple[int, ...] = (3, 5), dtype: torch.dtype = torch.f
     return torch.randint(-50, 50, shape, generator=g).to(dtype)
 
 
+BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
 @pytest.mark.parametrize("op", list(ReduceOp))
 async def test_all_reduce_every_op(world4: InProcessGroup, op: ReduceOp) -> None:
+    dtype = torch.int32 if op in BITWISE else torch.float32  # bitwise: integers only
+
     async def body(rank: int) -> torch.Tensor:
-        t = inp(rank, op=op)
+        t = inp(rank, dtype=dtype, op=op)
         assert await C.all_reduce(t, op=op) is None
         return t
 
     results = await run_all(world4, body)
-    want = expected(op, [inp(r, op=op) for r in range(N)])
+    want = expected(op, [inp(r, dtype=dtype, op=op) for r in range(N)])
     for got in results:
         assert_close(got, want)
     for got in results[1:]:  # every rank holds the same bits

@@ -35,6 +35,8 @@ async def test_argument_checks(make_group: object) -> None:
         await C.all_reduce(t, op="sum")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="AVG"):
         await C.all_reduce(torch.zeros(2, dtype=torch.int64), op=ReduceOp.AVG)
+    with pytest.raises(TypeError, match="BXOR needs an integer or bool"):
+        await C.all_reduce(t, op=ReduceOp.BXOR)
     with pytest.raises(ValueError, match="out of range"):
         await C.broadcast(t, src=5)
     with pytest.raises(TypeError, match="int"):

@@ -12,9 +12,13 @@ import actorgrad as ag
 import actorgrad.collective as C
 from actorgrad.collective import ReduceOp
 
+BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
 
 def inp(rank: int, numel: int, op: ReduceOp | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + rank)
+    if op in BITWISE:  # integers only
+        return torch.randint(0, 1 << 30, (numel,), generator=g, dtype=torch.int32)
     t = torch.randn(numel, generator=g, dtype=torch.float64)
     return (1 + 0.01 * t if op is ReduceOp.PRODUCT else t).float()
 
@@ -23,7 +27,9 @@ def expected(op: ReduceOp, ts: list[torch.Tensor]) -> torch.Tensor:
     out = ts[0].clone()
     for t in ts[1:]:
         out = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
-               ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}[op](out, t)
+               ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+               ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+               ReduceOp.BXOR: torch.bitwise_xor}[op](out, t)
     return out / len(ts) if op is ReduceOp.AVG else out
 
 
