@@ -166,20 +166,23 @@ def get_group_rank(group: Group, global_rank: int) -> int:
 # ---------------------------------------------------------------------------------------
 # point-to-point
 # ---------------------------------------------------------------------------------------
-async def send(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int = 0) -> None:
-    """Send ``tensor`` to global rank ``dst``; returns once ``tensor`` may be reused.
+async def send(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,
+               group_dst: int | None = None) -> None:
+    """Send ``tensor`` to global rank ``dst`` (or rank ``group_dst`` of ``group``);
+    returns once ``tensor`` may be reused.
 
     Raises:
         CollectiveError: the receiver is gone, or rejected the tensor (shape/dtype).
     """
-    work = isend(tensor, dst, group, tag)
+    work = isend(tensor, dst, group, tag, group_dst)
     if work is not None:
         await work.wait()
 
 
 async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
-               tag: int = 0) -> int:
-    """Receive into ``tensor`` from global rank ``src`` (None: any member of the group).
+               tag: int = 0, group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (or rank ``group_src`` of
+    ``group``; neither: any member of the group).
 
     Returns:
         The global rank of the sender (-1 on a non-member of ``group``).
@@ -188,14 +191,15 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
         CollectiveError: the message has another shape or dtype, the sender is gone, or
             the deadline passed.
     """
-    work = irecv(tensor, src, group, tag)
+    work = irecv(tensor, src, group, tag, group_src)
     if work is None:
         return -1
     await work.wait()
     return work.source_rank()
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int = 0) -> Work | None:
+def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to ``dst``; the returned Work is awaitable.
 
     Do not modify ``tensor`` before the Work completed.
@@ -205,12 +209,13 @@ def isend(tensor: torch.Tensor, dst: int, group: Group | None = None, tag: int =
     _check_tag(tag)
     if g is None:
         return None
+    dst = _global_rank(g, dst, group_dst, "dst")
     _check_peer(dst, g, act, "dst")
     return Work(impl.send(g, tensor, dst, tag), [tensor])
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
-          tag: int = 0) -> Work | None:
+          tag: int = 0, group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor``; the returned Work is awaitable and its
     ``source_rank()`` names the sender. Do not read ``tensor`` before it completed."""
     act, g, impl = _prepare(group, "irecv")
@@ -218,6 +223,8 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = No
     _check_tag(tag)
     if g is None:
         return None
+    if group_src is not None:
+        src = _global_rank(g, src, group_src, "src")
     if src is not None:
         _check_peer(src, g, act, "src")
     return Work(impl.recv(g, tensor, src, tag), [tensor])
@@ -226,14 +233,16 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = No
 # ---------------------------------------------------------------------------------------
 # collectives
 # ---------------------------------------------------------------------------------------
-async def broadcast(tensor: torch.Tensor, src: int, group: Group | None = None,
-                    async_op: bool = False) -> Work | None:
-    """Copy ``tensor`` of global rank ``src`` into ``tensor`` of every member."""
+async def broadcast(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
+                    async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Copy ``tensor`` of global rank ``src`` (or rank ``group_src`` of ``group``) into
+    ``tensor`` of every member."""
     act, g, impl = _prepare(group, "broadcast")
     with _refusal(act, g, "broadcast"):
         _check_tensor(tensor, "tensor")
         if g is None:
             return None
+        src = _global_rank(g, src, group_src, "src")
         _check_member(src, g, act, "src")
     return await _finish(impl.broadcast(g, tensor, src), async_op, [tensor])
 
@@ -270,44 +279,51 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-async def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
-                 group: Group | None = None, async_op: bool = False) -> Work | None:
-    """Reduce ``tensor`` over the group into ``tensor`` of global rank ``dst``; the
-    other ranks' tensors are left unchanged."""
+async def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
+                 group: Group | None = None, async_op: bool = False,
+                 group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` over the group into ``tensor`` of global rank ``dst`` (or rank
+    ``group_dst`` of ``group``); the other ranks' tensors are left unchanged."""
     act, g, impl = _prepare(group, "reduce")
     with _refusal(act, g, "reduce"):
         _check_tensor(tensor, "tensor")
         _check_op(op, tensor)
         if g is None:
             return None
+        dst = _global_rank(g, dst, group_dst, "dst")
         _check_member(dst, g, act, "dst")
     if len(g.ranks) == 1:
         return await _finish(_done(act), async_op, [tensor])
     return await _finish(impl.reduce(g, tensor, dst, op), async_op, [tensor])
 
 
-async def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
-                  group: Group | None = None, async_op: bool = False) -> Work | None:
-    """Global rank ``src`` sends ``scatter_list[i]`` to the member of group rank ``i``,
-    which receives it into ``tensor``."""
+async def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None,
+                  src: int | None = None, group: Group | None = None, async_op: bool = False,
+                  group_src: int | None = None) -> Work | None:
+    """Global rank ``src`` (or rank ``group_src`` of ``group``; neither: global rank 0)
+    sends ``scatter_list[i]`` to the member of group rank ``i``, which receives it into
+    ``tensor``."""
     act, g, impl = _prepare(group, "scatter")
     with _refusal(act, g, "scatter"):
         _check_tensor(tensor, "tensor")
         if g is None:
             return None
+        src = _global_rank(g, src, group_src, "src", default=0)
         parts = _root_list("scatter", act, g, tensor, src, "src", scatter_list, "scatter_list", "the source rank")
     return await _finish(impl.scatter(g, tensor, parts, src), async_op, [tensor])
 
 
-async def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-                 group: Group | None = None, async_op: bool = False) -> Work | None:
+async def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
+                 dst: int | None = None, group: Group | None = None, async_op: bool = False,
+                 group_dst: int | None = None) -> Work | None:
     """Collect ``tensor`` of every member into ``gather_list`` on global rank ``dst``
-    (in group rank order)."""
+    (or rank ``group_dst`` of ``group``; neither: global rank 0), in group rank order."""
     act, g, impl = _prepare(group, "gather")
     with _refusal(act, g, "gather"):
         _check_tensor(tensor, "tensor")
         if g is None:
             return None
+        dst = _global_rank(g, dst, group_dst, "dst", default=0)
         out = _root_list("gather", act, g, tensor, dst, "dst", gather_list, "gather_list", "the destination rank")
     return await _finish(impl.gather(g, tensor, out, dst), async_op, out or [])
 
@@ -450,6 +466,23 @@ def _group(act: CollectiveActor, group: Group | None) -> Group:
             "with the same ranks, in the same order"
         )
     return known
+
+
+def _global_rank(g: Group, rank: Any, group_rank: Any, name: str, default: int | None = None) -> Any:
+    """The global rank a root argument names: ``rank`` itself, or (torch's
+    ``group_src``/``group_dst``) the member of rank ``group_rank`` inside ``g``."""
+    if group_rank is None:
+        if rank is None:
+            if default is not None:
+                return default
+            raise ValueError(f"{name} or group_{name} is required")
+        return rank
+    if rank is not None:
+        raise ValueError(f"pass {name} or group_{name}, not both")
+    r = _rank_arg(group_rank, f"group_{name}")
+    if not 0 <= r < len(g.ranks):
+        raise ValueError(f"group_{name}={r} is out of range for {g!r} of {len(g.ranks)} ranks")
+    return g.ranks[r]
 
 
 def _rank_arg(r: Any, name: str) -> int:

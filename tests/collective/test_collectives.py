@@ -222,6 +222,43 @@ async def test_subgroups_and_non_members(world4: InProcessGroup) -> None:
         assert_close(t, expected(ReduceOp.SUM, [inp(r) for r in members]))
 
 
+async def test_roots_named_by_their_rank_in_the_group(world4: InProcessGroup) -> None:
+    """torch's group_src / group_dst: the root as a rank inside the group (its members
+    in rank order, as torch sorts them: in new_group([3, 1]) group rank 0 is global 1)."""
+    async def body(rank: int) -> list[torch.Tensor] | None:
+        odd = C.new_group([3, 1])
+        if rank % 2 == 0:
+            return None
+        b = torch.full((2,), float(rank))
+        await C.broadcast(b, group=odd, group_src=0)
+        r = torch.full((2,), float(rank))
+        await C.reduce(r, group=odd, group_dst=1)
+        s = torch.empty(2)
+        await C.scatter(s, [torch.full((2,), 10.0 + i) for i in range(2)] if rank == 3 else None,
+                        group=odd, group_src=1)
+        got = [torch.empty(2) for _ in range(2)] if rank == 1 else None
+        await C.gather(torch.full((2,), float(rank)), got, group=odd, group_dst=0)
+        p = torch.full((2,), float(rank))
+        if rank == 3:
+            await C.send(p, group=odd, group_dst=0, tag=5)
+        else:
+            assert await C.recv(p, group=odd, group_src=1, tag=5) == 3
+        with pytest.raises(ValueError, match="not both"):
+            await C.broadcast(b, src=3, group=odd, group_src=0)
+        with pytest.raises(ValueError, match="group_src=2 is out of range"):
+            await C.broadcast(b, group=odd, group_src=2)
+        return [b, r, s, *(got or []), p]
+
+    results = await run_all(world4, body)
+    b1, r1, s1, g0, g1, p1 = results[1]  # type: ignore[misc]
+    b3, r3, s3, p3 = results[3]  # type: ignore[misc]
+    assert b3.tolist() == b1.tolist() == [1.0, 1.0]  # from group rank 0: global 1
+    assert r3.tolist() == [4.0, 4.0] and r1.tolist() == [1.0, 1.0]  # into global 3 only
+    assert s1.tolist() == [10.0, 10.0] and s3.tolist() == [11.0, 11.0]  # scattered by 3
+    assert g0.tolist() == [1.0, 1.0] and g1.tolist() == [3.0, 3.0]  # in group rank order
+    assert p1.tolist() == [3.0, 3.0]
+
+
 async def test_concurrent_ops_on_two_groups_never_mix(world4: InProcessGroup) -> None:
     async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g1 = C.new_group([0, 1, 2, 3])
