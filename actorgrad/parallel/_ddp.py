@@ -31,6 +31,12 @@
   in step; then every rank raises when anything went wrong on any rank, instead of one
   rank raising while the others step on an average that holds its zeros (torch's other
   ranks hang in that case).
+* One loss may reach the parameters of several wrappers of a worker (a GAN's
+  generator loss goes through the discriminator; an encoder and a head wrapped apart):
+  torch's one ``loss.backward()`` averages all of them. ``backward`` walks the loss's
+  graph when the worker has other wrappers and takes along those it reaches; their
+  buckets go out after the local backward, wrapper after wrapper in creation order, so
+  every rank issues the same collectives.
 * Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
   synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
   ``backward`` (which is the same data: nothing changes buffers in between) and in
@@ -41,7 +47,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,9 +128,12 @@ class DistributedDataParallel(nn.Module):
         self._late: list[int] = []
         self._unused: list[int] = []  # from the last forward (find_unused_parameters)
         self._used_unsynced: set[int] = set()  # got a gradient inside no_sync() since the last sync
+        self._unused_now: set[int] = set()  # unused in the backward running now
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
         ]
+        self._deferred = False  # in another wrapper's backward: buckets go out after it
+        _wrappers.setdefault(worker, []).append(weakref.ref(self))
 
     @classmethod
     async def create(cls, module: nn.Module, bucket_cap_mb: float = 25.0,
@@ -144,7 +155,8 @@ class DistributedDataParallel(nn.Module):
         """
         ddp = cls(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                   group=group, broadcast_buffers=broadcast_buffers, _created=True)
-        tensors = list(module.parameters()) + list(module.buffers())
+        # as torch: buffers too, unless broadcast_buffers=False keeps them per rank
+        tensors = list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else [])
         await ddp._broadcast(tensors)
         return ddp
 
@@ -218,20 +230,7 @@ class DistributedDataParallel(nn.Module):
         return out
 
     def _find_unused(self, out: Any) -> list[int]:
-        seen: set[int] = set()
-        reached: set[int] = set()
-        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
-        direct = {id(t) for t in _tensors(out) if t.requires_grad and t.grad_fn is None}
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            var = getattr(fn, "variable", None)
-            if var is not None:
-                reached.add(id(var))
-            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-        reached |= direct
+        reached = _reached_leaves(list(_tensors(out)))
         return [i for i, p in enumerate(self._params) if id(p) not in reached]
 
     # -- backward -------------------------------------------------------------------------
@@ -271,6 +270,8 @@ class DistributedDataParallel(nn.Module):
         self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self._deferred:
+            return
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
             bucket.written = False
@@ -318,6 +319,11 @@ class DistributedDataParallel(nn.Module):
         complete are all-reduced on the loop. Inside :meth:`no_sync` only the local
         backward runs (gradients accumulate locally).
 
+        Other wrappers of this worker whose parameters ``loss`` reaches (a GAN's
+        discriminator in the generator's loss, a head and an encoder wrapped apart)
+        are averaged too, as one ``loss.backward()`` does in torch: after this one, in
+        the order they were created (the same on every rank).
+
         Every rank issues the same collectives whatever happens locally, and all of
         them raise when any rank's step went wrong (the gradients would not be a true
         average): the rank where it happened raises its own error, the others a
@@ -332,26 +338,69 @@ class DistributedDataParallel(nn.Module):
             Exception: whatever the local ``loss.backward()`` raised on this rank.
             CollectiveError: the all-reduce failed (a rank is gone, ...).
         """
+        if self._active:
+            raise RuntimeError(
+                "a backward of this DistributedDataParallel module is running already (its "
+                "own, or another wrapper's whose loss reaches its parameters)"
+            )
         if not self.require_backward_grad_sync:
             await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
             return
-        n = len(self._params)
-        unused = set(self._unused) - self._used_unsynced  # used in a no_sync() pass: used
-        self._used_unsynced = set()
+        wrappers = [self, *self._reached_others(loss)]
+        for wrapper in wrappers:
+            wrapper._begin(deferred=wrapper is not self)
         local_error: Exception | None = None
-        self._prepare()
         try:
-            try:
-                await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
-            except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
-                local_error = exc
-            finally:
-                missing = [i for i, ready in enumerate(self._ready) if not ready]
-                for i in missing:  # keep the collectives of all ranks in step
-                    self._zero_slot(i)
-                    self._ready[i] = True
-                    self._buckets[self._where[i][0]].pending -= 1
-                self._launch_ready()
+            await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
+        except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
+            local_error = exc
+        except BaseException:  # cancelled: what was started goes out, the wrappers are free
+            for wrapper in wrappers:
+                wrapper._launch_rest()
+                wrapper._active = False
+            raise
+        errors = []
+        for wrapper in wrappers:  # one after the other: the same collectives everywhere
+            error = await wrapper._finish(local_error)
+            if error is not None:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def _launch_rest(self) -> list[int]:
+        """Launch every bucket not launched yet, with zeros for the gradients that did
+        not come (the collectives of all ranks stay in step); those parameters."""
+        self._deferred = False
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        for i in missing:
+            self._zero_slot(i)
+            self._ready[i] = True
+            self._buckets[self._where[i][0]].pending -= 1
+        self._launch_ready()
+        return missing
+
+    def _reached_others(self, loss: Any) -> list[DistributedDataParallel]:
+        """This worker's other wrappers, synchronising, whose parameters ``loss`` reaches."""
+        others = [w for ref in _wrappers.get(self._worker, []) if (w := ref()) is not None
+                  and w is not self and w.require_backward_grad_sync and not w._active]
+        if not others or not isinstance(loss, torch.Tensor):
+            return []
+        reached = _reached_leaves([loss])
+        return [w for w in others if any(id(p) in reached for p in w._params)]
+
+    def _begin(self, deferred: bool) -> None:
+        self._unused_now = set(self._unused) - self._used_unsynced  # no_sync() use counts
+        self._used_unsynced = set()
+        self._deferred = deferred
+        self._prepare()
+
+    async def _finish(self, local_error: Exception | None) -> Exception | None:
+        """After the local backward: reduce what is left, learn what went wrong on any
+        rank, write the averages; the error to raise, if any."""
+        n = len(self._params)
+        unused = self._unused_now
+        try:
+            missing = self._launch_rest()
             # One small all-reduce tells every rank what went wrong anywhere, so that all
             # of them raise instead of one rank raising and the others stepping with
             # gradients averaged against its zeros: [used by] + [came late on] +
@@ -378,24 +427,25 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 await self._broadcast(buffers)
         if local_error is not None:
-            raise local_error
+            return local_error
         if failed_ranks:
-            raise RuntimeError(
+            return RuntimeError(
                 f"the local backward raised on {failed_ranks} other rank(s) (see their error); "
                 "this step's gradients were averaged with zeros for them: do not step on them"
             )
         if any(late_ranks):
-            raise RuntimeError(self._late_message(late_ranks))
+            return RuntimeError(self._late_message(late_ranks))
         if any(missing_ranks) and not self.find_unused_parameters:
             names = ", ".join(
                 f"{self._names[i]} (on {k} rank(s))" for i, k in enumerate(missing_ranks) if k
             )
-            raise RuntimeError(
+            return RuntimeError(
                 f"{sum(1 for k in missing_ranks if k)} parameter(s) received no gradient in this "
                 f"backward: {names}; the other ranks reduced zeros for them. If some "
                 "parameters are legitimately not used in some iterations, create the wrapper "
                 "with find_unused_parameters=True"
             )
+        return None
 
     def _late_message(self, late_ranks: list[int]) -> str:
         names = ", ".join(f"{self._names[i]!r} (on {k} rank(s))" for i, k in enumerate(late_ranks) if k)
@@ -469,7 +519,31 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
     loss.backward(gradient, retain_graph)
 
 
+# every wrapper of a worker, in creation order (the same on every rank)
+_wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _reached_leaves(outputs: list[torch.Tensor]) -> set[int]:
+    """``id()`` of the leaf tensors whose gradients a backward of ``outputs`` accumulates."""
+    reached = {id(t) for t in outputs if t.requires_grad and t.grad_fn is None}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return reached
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output, as torch's DDP finds them: in lists, tuples,
+    dicts and dataclasses, nested."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -478,6 +552,9 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 __all__ = ["DistributedDataParallel"]

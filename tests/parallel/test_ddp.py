@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -402,3 +403,128 @@ def test_example_trains_over_two_processes() -> None:
     proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test accuracy" in proc.stdout
+
+
+Z = torch.randn(8, 4)
+
+
+async def test_one_loss_through_two_wrappers_averages_both_as_torch(make_group: Any) -> None:
+    """A GAN step: the discriminator's loss uses the generator's output detached (only D
+    is averaged), the generator's loss goes through D (both are, as one loss.backward()
+    does in torch). Against the same steps on the full batch in one process."""
+    group: InProcessGroup = await make_group(2)
+
+    def models() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(3)
+        return nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+
+    def step_d(g: nn.Module, d: nn.Module, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        real, fake = d(x), d(g(z).detach())
+        return (nn.functional.mse_loss(real, torch.ones_like(real))
+                + nn.functional.mse_loss(fake, torch.zeros_like(fake)))
+
+    def step_g(g: nn.Module, d: nn.Module, z: torch.Tensor) -> torch.Tensor:
+        out = d(g(z))
+        return nn.functional.mse_loss(out, torch.ones_like(out))
+
+    g_ref, d_ref = models()
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (g_ref, d_ref))
+    for _ in range(3):
+        opt_d.zero_grad()
+        step_d(g_ref, d_ref, Z, X).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        step_g(g_ref, d_ref, Z).backward()
+        opt_g.step()
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        g, d = models()
+        dg, dd = await DDP.create(g), await DDP.create(d)
+        og, od = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (g, d))
+        shard = slice(4 * rank, 4 * rank + 4)
+        for _ in range(3):
+            od.zero_grad()
+            await dd.backward(step_d(dg, dd, Z[shard], X[shard]))
+            od.step()
+            og.zero_grad()
+            await dg.backward(step_g(dg, dd, Z[shard]))  # reaches d's parameters too
+            og.step()
+        return [p.detach().clone() for p in [*g.parameters(), *d.parameters()]]
+
+    r0, r1 = await run_all(group, body)
+    for a, b, want in zip(r0, r1, [*g_ref.parameters(), *d_ref.parameters()], strict=True):
+        assert torch.equal(a, b)
+        assert_close(a, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+async def test_encoder_and_head_wrapped_apart_one_backward(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+    torch.manual_seed(4)
+    enc_ref, head_ref = nn.Linear(6, 8), nn.Linear(8, 3)
+    nn.functional.mse_loss(head_ref(torch.tanh(enc_ref(X))), Y).backward()
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        torch.manual_seed(4)
+        enc, head = nn.Linear(6, 8), nn.Linear(8, 3)
+        denc, dhead = await DDP.create(enc), await DDP.create(head)
+        shard = slice(4 * rank, 4 * rank + 4)
+        await dhead.backward(nn.functional.mse_loss(dhead(torch.tanh(denc(X[shard]))), Y[shard]))
+        denc(X[shard])  # no "computed with loss.backward()": they were averaged
+        return [p.grad.clone() for p in [*enc.parameters(), *head.parameters()]]  # type: ignore[union-attr]
+
+    r0, r1 = await run_all(group, body)
+    for a, b, want in zip(r0, r1, [*enc_ref.parameters(), *head_ref.parameters()], strict=True):
+        assert torch.equal(a, b)
+        assert_close(a, want.grad)
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    aux: torch.Tensor | None = None
+
+
+class _DataclassOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.unused = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        return _Out(self.a(x))
+
+
+async def test_find_unused_sees_tensors_in_a_dataclass_output(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+    torch.manual_seed(5)
+    ref = _DataclassOutput()
+    ref(X).logits.pow(2).mean().backward()
+
+    async def body(rank: int) -> list[Any]:
+        torch.manual_seed(5)
+        model = _DataclassOutput()
+        ddp = await DDP.create(model, find_unused_parameters=True)
+        await ddp.backward(ddp(X[4 * rank : 4 * rank + 4]).logits.pow(2).mean())
+        return [p.grad for p in model.parameters()]
+
+    for grads in await run_all(group, body):
+        for got, want in zip(grads, ref.parameters(), strict=True):
+            if want.grad is None:
+                assert got is None  # the unused layer keeps no gradient, as in torch
+            else:
+                assert_close(got, want.grad)
+
+
+async def test_broadcast_buffers_false_keeps_each_ranks_buffers_from_the_start(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[float, float]:
+        model = nn.Linear(2, 2)
+        model.register_buffer("rank_id", torch.tensor(float(rank)))
+        kept = await DDP.create(model, broadcast_buffers=False)
+        synced_model = nn.Linear(2, 2)
+        synced_model.register_buffer("rank_id", torch.tensor(float(rank)))
+        await DDP.create(synced_model)
+        del kept
+        return float(model.rank_id), float(synced_model.rank_id)
+
+    assert await run_all(group, body) == [(0.0, 0.0), (1.0, 0.0)]
