@@ -120,7 +120,6 @@ class DistributedDataParallel(nn.Module):
         self._buckets = self._make_buckets(int(bucket_cap_mb * _MiB))
         self._next_launch = 0
         self._active = False  # inside backward(): hooks feed the buckets
-        self._stray = False  # hooks fired outside backward()
         self._ready = [False] * len(self._params)
         # Written by the hooks, on the backward's thread (``_ready`` lags behind, on the
         # loop): which parameters were claimed in this backward, and which came twice.
@@ -136,23 +135,44 @@ class DistributedDataParallel(nn.Module):
         _wrappers.setdefault(worker, []).append(weakref.ref(self))
 
     @classmethod
-    async def create(cls, module: nn.Module, bucket_cap_mb: float = 25.0,
+    async def create(cls, module: nn.Module, bucket_cap_mb: float | None = 25.0,
                      find_unused_parameters: bool = False, group: C.Group | None = None,
-                     broadcast_buffers: bool = True) -> DistributedDataParallel:
+                     broadcast_buffers: bool = True, *, process_group: C.Group | None = None,
+                     device_ids: list[Any] | None = None, output_device: Any = None,
+                     gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                     ) -> DistributedDataParallel:
         """Wrap ``module`` (call on every member of ``group``, all with the same model).
 
         Args:
             module: the local replica.
-            bucket_cap_mb: gradient bucket size in MiB.
+            bucket_cap_mb: gradient bucket size in MiB (None: the default, 25).
             find_unused_parameters: walk the autograd graph of every forward's output
                 and treat parameters it does not reach as ready (needed when some
                 parameters get no gradient in an iteration).
-            group: the collective group (default: all workers).
+            group: the collective group (default: all workers); ``process_group`` is
+                torch's name for it.
             broadcast_buffers: keep buffers (batch-norm statistics) equal to rank 0's.
+            device_ids, output_device: as torch's, for a module on one device: that
+                device (or None); the wrapper works where the module's parameters are.
+            gradient_as_bucket_view, static_graph: torch's performance hints; accepted
+                so torch code runs unchanged, and not needed here.
 
         Returns:
             The wrapper, after rank 0's parameters and buffers were copied everywhere.
         """
+        if process_group is not None:
+            if group is not None:
+                raise ValueError("pass group or process_group (torch's name for it), not both")
+            group = process_group
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25.0
+        _check_devices(module, device_ids, output_device)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module has no parameter that "
+                "requires a gradient (as torch says)"
+            )
+        del gradient_as_bucket_view, static_graph
         ddp = cls(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
                   group=group, broadcast_buffers=broadcast_buffers, _created=True)
         # as torch: buffers too, unless broadcast_buffers=False keeps them per rank
@@ -217,13 +237,6 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with ``find_unused_parameters`` also find the parameters the
         output does not depend on."""
-        if self._stray:
-            self._stray = False
-            raise RuntimeError(
-                "gradients of this DistributedDataParallel module were computed with "
-                "`loss.backward()`, so they were not averaged across ranks; use "
-                "`await ddp.backward(loss)`"
-            )
         out = self.module(*inputs, **kwargs)
         if self.find_unused_parameters and torch.is_grad_enabled():
             self._unused = self._find_unused(out)
@@ -238,9 +251,16 @@ class DistributedDataParallel(nn.Module):
         def hook(p: torch.Tensor) -> None:
             if not self._active:
                 if self.require_backward_grad_sync:
-                    self._stray = True
-                else:  # inside no_sync(): the next synced backward counts it as used here
-                    self._used_unsynced.add(i)
+                    # a plain loss.backward(): nobody averages this gradient, and an
+                    # optimizer step on it would make the replicas diverge for good
+                    raise RuntimeError(
+                        f"parameter {self._names[i]!r} of a DistributedDataParallel module got "
+                        "its gradient from `loss.backward()`, which does not average it across "
+                        "ranks: use `await ddp.backward(loss)` (inside `with ddp.no_sync():` "
+                        "for gradients meant to stay local)"
+                    )
+                # inside no_sync(): the next synced backward counts it as used here
+                self._used_unsynced.add(i)
                 return
             if self._claimed[i]:
                 # Its slot is (or may be) in flight already: copying now would race the
@@ -511,6 +531,22 @@ class DistributedDataParallel(nn.Module):
     def bucket_sizes(self) -> list[int]:
         """Number of parameters in each bucket, in bucket order."""
         return [len(b.params) for b in self._buckets]
+
+
+def _check_devices(module: nn.Module, device_ids: list[Any] | None, output_device: Any) -> None:
+    """torch's device_ids / output_device name the one device of the module, if any."""
+    devices = {p.device for p in module.parameters()}
+    named = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+             for d in (device_ids or [])]
+    if output_device is not None:
+        named.append(torch.device(output_device) if not isinstance(output_device, int)
+                     else torch.device("cuda", output_device))
+    for device in named:
+        if devices != {device}:
+            raise ValueError(
+                f"device_ids/output_device name {device}, but the module's parameters are on "
+                f"{', '.join(sorted(map(str, devices)))}: move the module to its device first"
+            )
 
 
 def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_graph: bool | None) -> None:

@@ -355,9 +355,11 @@ async def test_plain_loss_backward_is_reported(make_group: Any) -> None:
 
     async def body(rank: int) -> None:
         ddp = await DDP.create(mlp(0))
-        ddp(X).sum().backward()  # not averaged: the next forward says so
         with pytest.raises(RuntimeError, match="await ddp.backward"):
-            ddp(X)
+            ddp(X).sum().backward()  # not averaged: refused before an optimizer steps on it
+        with ddp.no_sync():
+            ddp(X).sum().backward()  # meant to stay local: allowed
+        await ddp.backward(ddp(X).sum())  # and the wrapper works on
 
     await run_all(group, body)
 
@@ -382,6 +384,28 @@ async def test_sparse_gradients_are_refused_clearly(make_group: Any) -> None:
 async def test_constructor_needs_create() -> None:
     with pytest.raises(TypeError, match="create"):
         DDP(mlp(0))
+
+
+async def test_torchs_keyword_arguments_are_taken(make_group: Any) -> None:
+    """A torch DDP construction ported as is: its keywords work, with their meaning."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        pair = C.new_group([0, 1])
+        ddp = await DDP.create(mlp(rank), device_ids=["cpu"], output_device="cpu",
+                               process_group=pair, gradient_as_bucket_view=True,
+                               static_graph=True, bucket_cap_mb=None)
+        assert ddp.group is pair
+        await ddp.backward(ddp(X).sum())
+        with pytest.raises(ValueError, match="cuda:0"):
+            await DDP.create(mlp(0), device_ids=[0])
+        with pytest.raises(ValueError, match="not both"):
+            await DDP.create(mlp(0), group=pair, process_group=pair)
+        frozen = mlp(0).requires_grad_(False)
+        with pytest.raises(RuntimeError, match="not needed"):
+            await DDP.create(frozen)
+
+    await run_all(group, body)
 
 
 @pytest.mark.slow
