@@ -433,6 +433,8 @@ class CollectiveActor:
             for i, message in enumerate(queue):
                 if src is None or message[0] == src:
                     del queue[i]
+                    if not queue:  # a tag used once must not leave its queue behind
+                        del self._p2p_queue[key]
                     self._deliver(recv, *message)
                     return future
         if src is not None and src in self._lost:

@@ -117,3 +117,27 @@ async def test_large_send_completes_after_the_receiver_has_it(make_group: object
 
     got = (await run_all(group, body))[1]
     assert torch.equal(got, torch.arange(numel, dtype=torch.float32))
+
+
+async def test_a_tag_used_once_leaves_nothing_behind(world4: InProcessGroup) -> None:
+    """Messages that arrive before their recv wait in a queue per tag; once taken, a tag
+    used only once must not keep an empty queue (a job using a fresh tag per step)."""
+    from actorgrad.collective._api import actor
+
+    async def body(rank: int) -> list[float]:
+        if rank == 0:
+            for tag in range(50):
+                await C.send(torch.full((1,), float(tag)), dst=1, tag=tag)
+            return []
+        if rank == 1:
+            await asyncio.sleep(0.2)  # let them all arrive first
+            got = []
+            for tag in range(50):
+                t = torch.empty(1)
+                await C.recv(t, src=0, tag=tag)
+                got.append(t.item())
+            assert not actor()._p2p_queue
+            return got
+        return []
+
+    assert (await run_all(world4, body))[1] == [float(tag) for tag in range(50)]
