@@ -62,7 +62,10 @@ async def init_rpc(
     await worker.start(init_method)
     _current.current_worker.set(worker)
     # torch and friends leave ~170k long-lived objects; full collections scanning them
-    # cost ~80 us per call under load. Move them out of the collector's way once.
+    # cost ~80 us per call under load. Move them out of the collector's way. Unfrozen
+    # first: what an earlier group of this process froze and has dropped since (a test
+    # suite, a notebook that starts groups again) is collected now, not kept for good.
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     return worker.info

@@ -73,7 +73,15 @@ class InProcessGroup:
             *self.followers,
             return_exceptions=True,
         )
-        _current.set_default(None)
+        _forget(self.workers)
+
+
+def _forget(workers: list[Worker]) -> None:
+    """After a group's shutdown: this context and the process default no longer point
+    at its workers (a group started next would keep them alive through its context)."""
+    _current.set_default(None)
+    if _current.current_worker.get() in workers:
+        _current.current_worker.set(None)
 
 
 async def _call(fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
@@ -93,6 +101,8 @@ async def start_in_process(world_size: int = 2, options: RpcOptions | None = Non
         # a key of the group's own: no other process on the host can join it
         options = dataclasses.replace(options, auth_key=os.urandom(16).hex())
     contexts = [contextvars.copy_context() for _ in range(world_size)]
+    for ctx in contexts:  # a worker of an earlier group must not live on in these
+        ctx.run(_current.current_worker.set, None)
     tasks = [
         loop.create_task(
             init_rpc(f"worker{r}", rank=r, world_size=world_size,
@@ -140,7 +150,10 @@ class LocalGroup:
         worker = _current.maybe_worker()
         if worker is not None and not worker.closed:
             await worker.shutdown(graceful=graceful, timeout=timeout)
-        _current.set_default(None)
+        if worker is not None:
+            _forget([worker])
+        else:
+            _current.set_default(None)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a child

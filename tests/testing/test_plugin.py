@@ -208,3 +208,31 @@ async def test_local_group_workers_import_like_this_process_and_share_its_option
     finally:
         await group.shutdown()
     assert not os.path.exists(group.logdir)  # noqa: ASYNC240
+
+
+async def test_groups_started_one_after_another_do_not_keep_each_other_alive() -> None:
+    """A test suite or a notebook starts groups again and again in one process: the
+    workers of a group shut down are freed, and garbage an earlier start moved out of
+    the collector's reach (init_rpc freezes what lives then) is collected later."""
+    import gc
+    import weakref
+
+    from actorgrad.testing import start_in_process
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    first = await start_in_process(2)
+    old_worker = weakref.ref(first.workers[0])
+    junk = Cycle()
+    junk_ref = weakref.ref(junk)
+    gc.freeze()  # as a group started after this one would freeze it
+    await first.shutdown()
+    del first, junk
+    second = await start_in_process(2)  # its init_rpc collects what was dropped
+    await second.shutdown()
+    del second
+    gc.collect()
+    assert junk_ref() is None
+    assert old_worker() is None
