@@ -135,6 +135,39 @@ class CollectiveActor:
         self.groups[gid] = group
         return group
 
+    def destroy_group(self, group: Group) -> None:
+        """Free ``group``'s state here (torch's ``destroy_process_group(group)``): its
+        arena and memory file, its sequence, what waits for it. An operation still
+        running on it fails; what peers send for it later is dropped (refused, for a
+        send that waits for its receipt)."""
+        gid = group.id
+        error = f"{group!r} was destroyed on rank {self.worker.rank}"
+        for key, op in list(self._ops.items()):
+            if key[0] == gid:
+                op.fail(CollectiveError(error))
+        for key in [k for k in self._early if k[0] == gid]:
+            del self._early[key]
+        self.deferred = {k for k in self.deferred if k[0] != gid}
+        for key in [k for k in self._p2p_queue if k[0] == gid]:
+            for message in self._p2p_queue.pop(key):
+                self._acknowledge(message[0], message[4], error)
+        for key in [k for k in self._p2p_wait if k[0] == gid]:
+            for recv in self._p2p_wait.pop(key):
+                if recv.timer is not None:
+                    recv.timer.cancel()
+                if not recv.future.done():
+                    recv.future.set_exception(CollectiveError(error))
+        self._seq.pop(gid, None)
+        self.groups.pop(gid, None)
+        self.arenas.forget(gid)
+        if self.torch is not None:
+            self.torch.destroy_pg(gid)
+
+    def destroyed(self, gid: int) -> bool:
+        """Whether ``gid`` named a group destroyed here (groups are numbered alike on
+        every worker, in creation order: a higher id is one not created here yet)."""
+        return gid < self._next_gid and gid not in self.groups
+
     def deadline(self) -> float:
         return self.worker.options.rpc_timeout if self.timeout is None else self.timeout
 
@@ -226,6 +259,8 @@ class CollectiveActor:
         op = self._ops.get((gid, seq))
         if op is not None:
             op.receive(peer.rank, kind, a, b, sig, ack, data)
+        elif self.destroyed(gid):
+            pass  # a peer still working on a group destroyed here: nobody will take it
         elif seq >= self._seq.get(gid, 0) or (gid, seq) in self.deferred:
             self._early.setdefault((gid, seq), []).append((peer.rank, kind, a, b, sig, ack, data))
         # else: a straggler of an operation that already ended here
@@ -472,6 +507,9 @@ class CollectiveActor:
         gid, tag, shape, dtype, ack_id = pickle.loads(payload.body)
         data = payload.raw[0] if payload.raw else None
         message = (peer.rank, shape, dtype, data, ack_id)
+        if self.destroyed(gid):
+            self._acknowledge(peer.rank, ack_id, f"group {gid} was destroyed on rank {self.worker.rank}")
+            return
         key = (gid, tag)
         waiters = self._p2p_wait.get(key)
         if waiters:
@@ -506,17 +544,21 @@ class CollectiveActor:
                     t.detach().copy_(data.view(t.dtype).view(t.shape))
             except Exception as exc:
                 error = f"cannot receive into the tensor: {exc}"
-        if ack_id:
-            try:
-                self.worker.tell(src, P2P_ACK_TARGET, Payload(pickle.dumps((ack_id, error), protocol=5)))
-            except Exception:
-                log.debug("cannot acknowledge a send from rank %s", src, exc_info=True)
+        self._acknowledge(src, ack_id, error)
         if recv.future.done():
             return
         if error is None:
             recv.future.set_result(src)
         else:
             recv.future.set_exception(CollectiveError(f"recv (tag {recv.tag}): {error}"))
+
+    def _acknowledge(self, src: int, ack_id: int, error: str | None) -> None:
+        """Tell the sender its message was taken (or why not), when it waits for that."""
+        if ack_id:
+            try:
+                self.worker.tell(src, P2P_ACK_TARGET, Payload(pickle.dumps((ack_id, error), protocol=5)))
+            except Exception:
+                log.debug("cannot acknowledge a send from rank %s", src, exc_info=True)
 
     # -- failures -------------------------------------------------------------------
     def _on_lost(self, name: str, rank: int, reason: str) -> None:

@@ -73,9 +73,23 @@ async def init_process_group(backend: str = "actorgrad", timeout: float | None =
     await act.torch.pgs[0]
 
 
-def destroy_process_group() -> None:
-    """Drop the torch.distributed backend; collectives use actorgrad's own again."""
+def destroy_process_group(group: Group | None = None) -> None:
+    """With a group (as torch's ``destroy_process_group(group)``): free what this worker
+    holds for it (a job that makes groups as it goes must destroy them, here as in
+    torch: each keeps a shared-memory arena, an open file, per member); operations
+    still running on it fail, and the group cannot be used any more. Every member
+    destroys it once done with it.
+
+    Without: drop the torch.distributed backend; collectives use actorgrad's own again.
+    """
     act = actor()
+    if group is not None:
+        g = _group(act, group)
+        if g.id == 0:
+            raise ValueError("the group of all workers cannot be destroyed; call "
+                             "destroy_process_group() to drop the torch backend")
+        act.destroy_group(g)
+        return
     if act.torch is not None:
         act.torch.close()
         act.torch = None
@@ -460,6 +474,8 @@ def _group(act: CollectiveActor, group: Group | None) -> Group:
     if not isinstance(group, Group):
         raise TypeError(f"group must be an actorgrad.collective.Group or None, got {type(group).__name__}")
     known = act.groups.get(group.id)
+    if known is None and act.destroyed(group.id):
+        raise ValueError(f"{group!r} was destroyed (destroy_process_group) on this worker")
     if known is None or known.ranks != group.ranks:
         raise ValueError(
             f"{group!r} was not created on this worker; every worker must call new_group() "

@@ -314,18 +314,28 @@ class ArenaChannel:
             self._handle = self.loop.call_later(SLEEP_POLL_S, self._poll)
             self._timer = True
 
+    def forget(self, gid: int) -> None:
+        """A group destroyed here: unmap its arena (and its memory file)."""
+        st = self._groups.pop(gid, None)
+        self._busy.pop(gid, None)
+        if st is not None:
+            self._close_group(st)
+
+    def _close_group(self, st: _GroupArena) -> None:
+        if st.arena is not None:
+            st.arena.close()
+            st.arena = None
+        for fut in (st.offered, st.decided):
+            if not fut.done():
+                fut.set_result(None)
+
     def close(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
         self._busy.clear()
         for st in self._groups.values():
-            if st.arena is not None:
-                st.arena.close()
-                st.arena = None
-            for fut in (st.offered, st.decided):
-                if not fut.done():
-                    fut.set_result(None)
+            self._close_group(st)
 
 
 def _succeeded(fut: asyncio.Future[Any]) -> bool:

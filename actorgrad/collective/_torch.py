@@ -244,17 +244,27 @@ class TorchBackend:
 
         return self._launch(group, issue, after, blocking=True)
 
+    def destroy_pg(self, gid: int) -> None:
+        """Shut down the process group of group ``gid`` (destroyed by the user)."""
+        fut = self.pgs.pop(gid, None)
+        if fut is not None:
+            _shut_down(fut)
+
     def close(self) -> None:
         """Shut the process groups down (their threads must end before the process)."""
         self.closed = True
         for fut in self.pgs.values():
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                try:
-                    fut.result().shutdown()
-                except Exception:
-                    log.debug("shutting a process group down failed", exc_info=True)
+            _shut_down(fut)
         self.pgs.clear()
         self.store = None
+
+
+def _shut_down(fut: asyncio.Future[PG]) -> None:
+    if fut.done() and not fut.cancelled() and fut.exception() is None:
+        try:
+            fut.result().shutdown()
+        except Exception:
+            log.debug("shutting a process group down failed", exc_info=True)
 
 
 def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:

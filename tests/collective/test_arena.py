@@ -4,6 +4,7 @@ negotiation, the results (against values computed locally), failures and wake-up
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from typing import Any
@@ -273,3 +274,51 @@ async def test_a_dead_member_fails_the_others_waiting_in_the_arena(make_process_
     assert "rank 2" in other and other.startswith(("CollectiveError", "CollectiveRankLost")), other
     with pytest.raises(ag.ActorgradError):
         await late
+
+
+async def test_destroyed_groups_free_their_arenas_and_state(make_group: Any) -> None:
+    """A job that makes a group per step and destroys it (torch's
+    destroy_process_group(group)) holds no more files or state after many of them;
+    the group cannot be used any more, and a recv waiting on it fails."""
+    group: InProcessGroup = await make_group(4)
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def warm(rank: int) -> None:
+        for _ in range(3):  # files opened once for good (the first arena's) come first
+            g = C.new_group([0, 1, 2, 3])
+            for _ in range(WARM_UP):
+                await C.all_reduce(torch.ones(1), group=g)
+            C.destroy_process_group(g)
+
+    await run_all(group, warm)
+    before = open_files()
+
+    async def many(rank: int) -> int:
+        for _ in range(20):
+            g = C.new_group([0, 1, 2, 3])
+            t = torch.ones(1)
+            for _ in range(WARM_UP):
+                await C.all_reduce(t, group=g)
+            assert actor().arenas.active(g.id)  # it went through an arena
+            C.destroy_process_group(g)
+            with pytest.raises(ValueError, match="destroyed"):
+                await C.all_reduce(t, group=g)
+        return len(actor().groups)
+
+    assert await run_all(group, many) == [1, 1, 1, 1]  # only the group of all workers is left
+    assert open_files() <= before + 2  # 80 arenas were made: none is held
+
+    async def waiting(rank: int) -> str:
+        g = C.new_group([0, 1])
+        if rank != 0:
+            return ""
+        pending = asyncio.ensure_future(C.recv(torch.empty(1), src=1, group=g))
+        await asyncio.sleep(0.05)
+        C.destroy_process_group(g)
+        with pytest.raises(CollectiveError, match="destroyed"):
+            await pending
+        return "failed as expected"
+
+    assert (await run_all(group, waiting))[0] == "failed as expected"
