@@ -83,6 +83,11 @@ class OwnerTable:
         self._early_count = 0  # news in _early, bounded: values that never come leave some
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        # Creations come from each creator in the order of their ids (one connection,
+        # in order): the highest id per creator tells a value not created yet (a fetch
+        # that overtook its remote(), from a third worker) from one already freed.
+        self._created_up_to: dict[int, int] = {}
+        self._awaited: dict[RRefId, _Entry] = {}  # asked for before their creation came
         worker.add_lost_listener(self._on_lost)
 
     def new_id(self) -> tuple[int, int]:
@@ -98,6 +103,43 @@ class OwnerTable:
             for added, fork, holder in news:
                 _count_fork(entry, added, fork, holder)  # freed, if at all, by the caller's
         return entry
+
+    def find(self, rref_id: RRefId) -> _Entry | None:
+        """The entry of ``rref_id``; for a value whose creation has not come yet, one
+        that waits for it (as torch's owner makes one when a fork or fetch comes
+        first). None: it was freed, or never will be created here."""
+        entry = self.entries.get(rref_id)
+        if entry is not None:
+            return entry
+        creator, number = rref_id
+        if number <= self._created_up_to.get(creator, 0) or creator == self.worker.rank \
+                or creator not in self.worker.peers:
+            return None
+        entry = self.entry_for(rref_id, self.worker.loop.create_future())
+        entry.creating = True  # kept, forks or not, until its creation comes
+        self._awaited[rref_id] = entry
+        return entry
+
+    def created(self, rref_id: RRefId) -> _Entry | None:
+        """A creation of ``rref_id`` came: the entry that waited for it, if any. Values
+        asked for with a lower id of the same creator will not come any more."""
+        creator, number = rref_id
+        if number > self._created_up_to.get(creator, 0):
+            self._created_up_to[creator] = number
+        waiting = self._awaited.pop(rref_id, None)
+        for other_id in [k for k in self._awaited if k[0] == creator and k[1] < number]:
+            self._give_up(other_id, RuntimeError(
+                f"RRef {other_id} was asked for on {self.worker.name}, but its creation never came"
+            ))
+        return waiting
+
+    def _give_up(self, rref_id: RRefId, error: BaseException) -> None:
+        entry = self._awaited.pop(rref_id)
+        if not entry.value.done():
+            entry.value.set_exception(error)
+            entry.value.exception()  # retrieved: it is the waiters' error
+        if self.entries.get(rref_id) is entry:
+            del self.entries[rref_id]
 
     def add_fork(self, rref_id: RRefId, fork: ForkId, holder: int | None = None) -> None:
         """Count the fork ``holder`` got (None: not known; it is then kept until that
@@ -121,6 +163,8 @@ class OwnerTable:
     def _on_lost(self, name: str, rank: int, reason: str) -> None:
         """A worker is gone, and so are the RRefs it held: drop their forks (values
         nobody else refers to are freed), as if each had been released."""
+        for rref_id in [k for k in self._awaited if k[0] == rank]:  # its creations never come
+            self._give_up(rref_id, WorkerLost(name, f"lost before RRef {rref_id} was created: {reason}"))
         for rref_id, entry in list(self.entries.items()):
             gone = [fork for fork, holder in entry.holders.items() if holder == rank]
             for fork in gone:
@@ -337,7 +381,7 @@ def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:
     worker = get_worker()
     if owner == worker.rank:
         table = owner_table(worker)
-        entry = table.entries.get(rref_id)
+        entry = table.find(rref_id)
         if entry is None:
             raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
         value = entry.value
@@ -437,9 +481,14 @@ def install_handlers(worker: Worker) -> None:
         hooks = _hooks.current()
         hooks.on_receive(worker, meta, payload, peer.rank)
         rref_id = tuple(rref_id)
+        awaited = table.created(rref_id)
         entry = table.entries.get(rref_id)
-        created_here = entry is not None  # remote() to oneself registered it already
-        if entry is None:
+        created_here = entry is not None and awaited is None  # remote() to oneself registered it
+        if awaited is not None:  # asked for before it came: the askers wait on this entry
+            entry = awaited
+            entry.creating = False
+            table.add_fork(rref_id, tuple(fork), peer.rank)
+        elif entry is None:
             entry = table.entry_for(rref_id, worker.loop.create_future())
             table.add_fork(rref_id, tuple(fork), peer.rank)  # the caller holds it
         value = entry.value
@@ -464,7 +513,7 @@ def install_handlers(worker: Worker) -> None:
     def fetch(peer: Any, payload: Payload) -> Any:
         rref_id, meta = payload.load()
         _hooks.current().on_receive(worker, meta, payload, peer.rank)
-        entry = table.entries.get(tuple(rref_id))
+        entry = table.find(tuple(rref_id))
         if entry is None:
             raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import actorgrad as ag
+from actorgrad.wire import Payload
 
 
 class Counter:
@@ -272,6 +273,42 @@ async def test_pass_rref_to_third_worker(group3):
     name, is_owner, total = await ag.rpc_async("worker2", fetch_and_sum, args=(rref,))
     assert (name, is_owner) == ("worker2", False)
     assert total == float(torch.arange(5.0).sum())
+
+
+async def send_back_to_owner(rref: ag.RRef) -> tuple[str, bool, float]:
+    return await ag.rpc_async("worker1", fetch_and_sum, args=(rref,))
+
+
+@pytest.mark.parametrize("route", ["fetched", "sent to its owner"])
+async def test_a_third_worker_overtaking_the_creation_waits_for_it(group3, route):
+    """worker2 gets the RRef and reaches the owner before worker0's remote() does
+    (another connection): the owner waits for the creation, as torch's does, instead of
+    saying the value is not (or no longer) owned there; then everything is freed."""
+    w1 = group3.workers[1]
+    w1.peers[0].transport.pause_reading()  # worker0's messages to worker1 wait
+    rref = ag.remote("worker1", make_tensor, args=(4,))
+    fetch = fetch_and_sum if route == "fetched" else send_back_to_owner
+    answer = ag.rpc_async("worker2", fetch, args=(rref,))
+    await asyncio.sleep(0.2)  # worker2 asked worker1, which waits
+    assert not answer.done()
+    w1.peers[0].transport.resume_reading()
+    name, _, total = await asyncio.wait_for(answer, 10)
+    assert total == float(torch.arange(4.0).sum())
+    assert name == ("worker2" if route == "fetched" else "worker1")
+    del rref, answer
+    assert (await wait_owner_count("worker1", 0))["num_owner_rrefs"] == 0
+
+
+async def test_a_fetch_for_a_freed_value_still_fails_at_once(group3):
+    rref = ag.remote("worker1", make_tensor, args=(2,))
+    await rref.to_here()
+    rref_id = rref._id
+    del rref
+    await wait_owner_count("worker1", 0)
+    worker = group3.workers[0]
+    reply = worker.call(1, "rref.fetch", Payload.dump((rref_id, None)), 10)
+    with pytest.raises(ag.RemoteError, match="not \\(or no longer\\) owned"):
+        await asyncio.wait_for(reply, 5)
 
 
 async def test_pass_rref_back_to_owner_and_to_self(group2):
@@ -662,3 +699,28 @@ async def test_early_fork_news_are_bounded():
         table.del_fork((0, i % 7), (0, i))
     assert table._early_count == sum(map(len, table._early.values())) <= _EARLY_MAX
 
+
+
+async def test_values_asked_for_early_that_will_not_come_fail():
+    """A value asked for before its creation came waits; when a later creation of the
+    same creator comes first (creations come in id order), or the creator is lost, it
+    never will: the askers get an error and the table forgets it."""
+    from actorgrad.rpc._rref import OwnerTable
+
+    worker = _StubWorker()
+    worker.name, worker.peers = "worker1", {0: object(), 2: object()}  # type: ignore[attr-defined]
+    worker.loop = asyncio.get_running_loop()  # type: ignore[attr-defined]
+    table = OwnerTable(worker)  # type: ignore[arg-type]
+    skipped, waited, later = table.find((0, 5)), table.find((0, 7)), (0, 9)
+    from_2 = table.find((2, 4))
+    assert skipped is not None and waited is not None and from_2 is not None
+    assert table.created((0, 7)) is waited  # 7 came: the creation of 5 never will
+    with pytest.raises(RuntimeError, match="never came"):
+        skipped.value.result()
+    assert (0, 5) not in table.entries
+    table.created(later)
+    assert table.find((0, 8)) is None  # below what came: freed long ago, not awaited
+    worker.on_lost("worker2", 2, "killed")
+    with pytest.raises(ag.WorkerLost):
+        from_2.value.result()
+    assert (2, 4) not in table.entries and not table._awaited
