@@ -145,6 +145,21 @@ class OptimizerActor:
 _ids = itertools.count(1)
 
 
+def _check_arguments(optimizer_class: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse what every owner would refuse (a negative learning rate, an unknown
+    keyword) here and now, as torch's constructor does, instead of at the first step:
+    one instance over a stand-in parameter says so. Other failures are the owners' to
+    report (an optimizer may need the real parameters)."""
+    if not callable(optimizer_class):
+        raise TypeError(f"optimizer_class must be an optimizer class, got {optimizer_class!r}")
+    try:
+        optimizer_class([torch.zeros(1, requires_grad=True)], *args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{getattr(optimizer_class, '__name__', optimizer_class)}: {exc}") from exc
+    except Exception:  # noqa: BLE001 - not an argument problem: the owners will tell
+        pass
+
+
 class DistributedOptimizer:
     """One ``optimizer_class`` per owner of the parameters in ``params_rref``.
 
@@ -160,6 +175,7 @@ class DistributedOptimizer:
                  *args: Any, **kwargs: Any) -> None:
         if not params_rref:
             raise ValueError("DistributedOptimizer needs at least one parameter RRef")
+        _check_arguments(optimizer_class, args, kwargs)
         worker = get_worker()
         by_owner: dict[int, list[RRef[Any]]] = {}
         for rref in params_rref:

@@ -239,6 +239,18 @@ def test_needs_rrefs():
         ag.optim.DistributedOptimizer(torch.optim.SGD, [], lr=0.1)
 
 
+async def test_arguments_every_owner_would_refuse_are_refused_at_once(group2):
+    """As torch's constructor: a bad learning rate or keyword raises here, not as a
+    RemoteError at the first step."""
+    w = ag.remote("worker1", torch.zeros, args=(3,), kwargs={"requires_grad": True})
+    with pytest.raises(ValueError, match="SGD: Invalid learning rate: -1"):
+        ag.optim.DistributedOptimizer(torch.optim.SGD, [w], lr=-1)
+    with pytest.raises(TypeError, match="Adam: .*unexpected keyword argument 'moment'"):
+        ag.optim.DistributedOptimizer(torch.optim.Adam, [w], lr=0.1, moment=0.9)
+    with pytest.raises(TypeError, match="optimizer class"):
+        ag.optim.DistributedOptimizer("SGD", [w], lr=0.1)  # type: ignore[arg-type]
+
+
 class SlowSGD(torch.optim.SGD):
     """SGD whose step takes a while (as with big parameters): widens any race window."""
 
