@@ -101,9 +101,13 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
 
         fut.add_done_callback(done)
 
-    def give_up() -> BaseException:
+    def cancel() -> None:
         result.cancel()  # a begin() still queued starts nothing
-        loop.call_soon_threadsafe(lambda: [fut.cancel() for fut in began])
+        with contextlib.suppress(RuntimeError):  # a closed loop: nothing runs any more
+            loop.call_soon_threadsafe(lambda: [fut.cancel() for fut in began])
+
+    def give_up() -> BaseException:
+        cancel()
         return RpcTimeout(
             f"no answer within {answer_within}s, and the worker's event loop, which runs "
             f"on another thread, has not run for {_STALL_GRACE}s since: a blocking call "
@@ -114,7 +118,12 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
 
     loop.call_soon_threadsafe(begin)
     stall = None if answer_within is None else (answer_within, give_up)
-    return _wait_driving(loop, result, can_drive, stall)
+    try:
+        return _wait_driving(loop, result, can_drive, stall)
+    except BaseException:
+        if not result.done():  # interrupted (Ctrl-C): the call is not waited for any more
+            cancel()
+        raise
 
 
 _drivers: dict[int, threading.Lock] = {}  # per loop: held by the thread that runs it for run_sync
@@ -190,4 +199,9 @@ def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future
 
     if not getattr(loop, "_nest_patched", False):
         nest_asyncio.apply(loop)
-    return loop.run_until_complete(_await(start))
+    task = loop.create_task(_await(start))
+    try:
+        return loop.run_until_complete(task)
+    except BaseException:
+        task.cancel()  # interrupted (Ctrl-C in a notebook): nobody waits for the call now
+        raise

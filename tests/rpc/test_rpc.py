@@ -678,3 +678,55 @@ def test_every_error_is_a_runtime_error_as_torchs_are():
                 ag.ProtocolError, ag.AuthenticationError, ag.ContextError):
         assert issubclass(cls, RuntimeError), cls
     assert issubclass(ag.RpcTimeout, TimeoutError) and issubclass(ag.WorkerLost, ConnectionError)
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt  # as Ctrl-C lands in a notebook cell
+
+
+async def test_an_interrupted_blocking_call_is_cancelled(group2):
+    """Ctrl-C on rpc_sync (Jupyter's loop, re-entered) stops waiting and cancels the
+    call on the callee too: nothing is left for shutdown to wait for."""
+    tag = "interrupted-rpc-sync"
+    asyncio.get_running_loop().call_later(0.3, _interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ag.rpc_sync("worker1", wait_to_be_cancelled, args=(tag,))
+    for _ in range(100):
+        if tag in CANCELLED:
+            break
+        await asyncio.sleep(0.02)
+    assert tag in CANCELLED
+    assert not group2.workers[1].peers[0].serving
+
+
+async def test_an_interrupted_blocking_call_from_a_thread_is_cancelled(group2):
+    tag = "interrupted-thread-call"
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        from actorgrad.runtime import _sync
+
+        original = _sync._wait_driving
+
+        def interrupted(*args: object, **kwargs: object) -> object:
+            time.sleep(0.3)
+            raise KeyboardInterrupt  # arrives while the thread waits
+
+        _sync._wait_driving = interrupted  # type: ignore[assignment]
+        try:
+            ag.rpc_sync("worker1", wait_to_be_cancelled, args=(tag,))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+        finally:
+            _sync._wait_driving = original
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    while thread.is_alive():  # noqa: ASYNC110 - the loop must run meanwhile
+        await asyncio.sleep(0.02)
+    assert isinstance(outcome[0], KeyboardInterrupt)
+    for _ in range(100):
+        if tag in CANCELLED:
+            break
+        await asyncio.sleep(0.02)
+    assert tag in CANCELLED
