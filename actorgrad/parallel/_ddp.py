@@ -132,6 +132,7 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
         ]
         self._deferred = False  # in another wrapper's backward: buckets go out after it
+        self._armed = False  # a forward ran since the last synced backward
         _wrappers.setdefault(worker, []).append(weakref.ref(self))
 
     @classmethod
@@ -166,6 +167,8 @@ class DistributedDataParallel(nn.Module):
             group = process_group
         if bucket_cap_mb is None:
             bucket_cap_mb = 25.0
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _check_devices(module, device_ids, output_device)
         if not any(p.requires_grad for p in module.parameters()):
             raise RuntimeError(
@@ -238,6 +241,8 @@ class DistributedDataParallel(nn.Module):
         """Run the module; with ``find_unused_parameters`` also find the parameters the
         output does not depend on."""
         out = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._armed = True  # as torch's reducer, prepared for the next backward
         if self.find_unused_parameters and torch.is_grad_enabled():
             self._unused = self._find_unused(out)
         return out
@@ -250,7 +255,7 @@ class DistributedDataParallel(nn.Module):
     def _make_hook(self, i: int) -> Any:
         def hook(p: torch.Tensor) -> None:
             if not self._active:
-                if self.require_backward_grad_sync:
+                if self._armed and self.require_backward_grad_sync:
                     # a plain loss.backward(): nobody averages this gradient, and an
                     # optimizer step on it would make the replicas diverge for good
                     raise RuntimeError(
@@ -259,7 +264,8 @@ class DistributedDataParallel(nn.Module):
                         "ranks: use `await ddp.backward(loss)` (inside `with ddp.no_sync():` "
                         "for gradients meant to stay local)"
                     )
-                # inside no_sync(): the next synced backward counts it as used here
+                # inside no_sync() (or through the bare module, which torch leaves local
+                # too): the next synced backward counts it as used here
                 self._used_unsynced.add(i)
                 return
             if self._claimed[i]:
@@ -363,27 +369,32 @@ class DistributedDataParallel(nn.Module):
                 "a backward of this DistributedDataParallel module is running already (its "
                 "own, or another wrapper's whose loss reaches its parameters)"
             )
-        if not self.require_backward_grad_sync:
+        # in no_sync() this one's gradients stay local, but those of other wrappers the
+        # loss reaches are averaged still
+        own = [self] if self.require_backward_grad_sync else []
+        wrappers = own + self._reached_others(loss)
+        if not wrappers:
             await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
             return
-        wrappers = [self, *self._reached_others(loss)]
         for wrapper in wrappers:
             wrapper._begin(deferred=wrapper is not self)
         local_error: Exception | None = None
-        try:
-            await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
-        except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
-            local_error = exc
-        except BaseException:  # cancelled: what was started goes out, the wrappers are free
-            for wrapper in wrappers:
-                wrapper._launch_rest()
-                wrapper._active = False
-            raise
         errors = []
-        for wrapper in wrappers:  # one after the other: the same collectives everywhere
-            error = await wrapper._finish(local_error)
-            if error is not None:
-                errors.append(error)
+        try:
+            try:
+                await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
+            except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
+                local_error = exc
+            for wrapper in wrappers:  # one after the other: the same collectives everywhere
+                error = await wrapper._finish(local_error)
+                if error is not None:
+                    errors.append(error)
+        finally:
+            for wrapper in wrappers:  # cancelled, or a failure on the way: what was
+                if wrapper._active:  # started goes out, and no wrapper stays taken
+                    wrapper._launch_rest()
+                    wrapper._active = False
+                    wrapper._armed = False
         if errors:
             raise errors[0]
 
@@ -402,7 +413,7 @@ class DistributedDataParallel(nn.Module):
     def _reached_others(self, loss: Any) -> list[DistributedDataParallel]:
         """This worker's other wrappers, synchronising, whose parameters ``loss`` reaches."""
         others = [w for ref in _wrappers.get(self._worker, []) if (w := ref()) is not None
-                  and w is not self and w.require_backward_grad_sync and not w._active]
+                  and w is not self and w._armed and w.require_backward_grad_sync and not w._active]
         if not others or not isinstance(loss, torch.Tensor):
             return []
         reached = _reached_leaves([loss])
@@ -440,6 +451,7 @@ class DistributedDataParallel(nn.Module):
             late_ranks, missing_ranks, failed_ranks = counts[n : 2 * n], counts[2 * n : 3 * n], counts[3 * n]
         finally:
             self._active = False
+            self._armed = False
         self._write_grads(global_used)
         self._unused = []
         if self.broadcast_buffers:

@@ -552,3 +552,66 @@ async def test_broadcast_buffers_false_keeps_each_ranks_buffers_from_the_start(m
         return float(model.rank_id), float(synced_model.rank_id)
 
     assert await run_all(group, body) == [(0.0, 0.0), (1.0, 0.0)]
+
+
+async def test_a_wrapper_in_no_sync_still_averages_the_others_its_loss_reaches(make_group: Any) -> None:
+    """As torch: the encoder's no_sync() keeps its own gradients local; the head's,
+    reached by the same loss, are averaged."""
+    group: InProcessGroup = await make_group(2)
+
+    def local_grads(rank: int) -> list[torch.Tensor]:
+        torch.manual_seed(4)
+        enc, head = nn.Linear(6, 8), nn.Linear(8, 3)
+        head(torch.tanh(enc(X[4 * rank : 4 * rank + 4]))).sum().backward()
+        return [p.grad for p in [*enc.parameters(), *head.parameters()]]  # type: ignore[misc]
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        torch.manual_seed(4)
+        enc, head = nn.Linear(6, 8), nn.Linear(8, 3)
+        denc, dhead = await DDP.create(enc), await DDP.create(head)
+        with denc.no_sync():
+            await denc.backward(dhead(torch.tanh(denc(X[4 * rank : 4 * rank + 4]))).sum())
+        return [p.grad.clone() for p in [*enc.parameters(), *head.parameters()]]  # type: ignore[union-attr]
+
+    results = await run_all(group, body)
+    mine = [local_grads(0), local_grads(1)]
+    for rank in range(2):
+        for k, got in enumerate(results[rank]):
+            want = mine[rank][k] if k < 2 else (mine[0][k] + mine[1][k]) / 2
+            assert_close(got, want)
+
+
+async def test_a_wrapper_whose_forward_did_not_run_takes_no_part(make_group: Any) -> None:
+    """An earlier wrapper of the same module (rewrapped on another group, the first one
+    destroyed) plays no part in the new one's backward, as torch's reducer does not
+    unless its forward ran; gradients through the bare module stay local, as in torch."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        model = mlp(0)
+        pair = C.new_group([0, 1])
+        old = await DDP.create(model, group=pair)
+        await old.backward(old(X[rank : rank + 1]).sum())
+        C.destroy_process_group(pair)
+        new = await DDP.create(model)
+        model.zero_grad()
+        await new.backward(new(X[rank : rank + 1]).sum())  # old is not taken along
+        model(X).sum().backward()  # through the bare module: local, no error
+
+    await run_all(group, body)
+
+
+async def test_a_backward_given_up_leaves_no_wrapper_taken(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[bool, bool]:
+        torch.manual_seed(4)
+        enc, head = nn.Linear(6, 8), nn.Linear(8, 3)
+        denc, dhead = await DDP.create(enc), await DDP.create(head)
+        if rank == 0:  # rank 1 never joins this backward: rank 0 gives up on it
+            loss = dhead(torch.tanh(denc(X[:4]))).sum()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(dhead.backward(loss), 0.5)
+        return denc._active, dhead._active
+
+    assert await run_all(group, body) == [(False, False), (False, False)]
