@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -132,6 +133,17 @@ class OwnerTable:
                 f"RRef {other_id} was asked for on {self.worker.name}, but its creation never came"
             ))
         return waiting
+
+    def not_created(self, rref_id: RRefId) -> None:
+        """The remote() call of ``rref_id`` failed before its id was read here: it never
+        will be created, and nobody may wait for it."""
+        creator, number = rref_id
+        if number > self._created_up_to.get(creator, 0):
+            self._created_up_to[creator] = number
+        if rref_id in self._awaited:
+            self._give_up(rref_id, RuntimeError(
+                f"RRef {rref_id} was never created on {self.worker.name}: its remote() call failed there"
+            ))
 
     def _give_up(self, rref_id: RRefId, error: BaseException) -> None:
         entry = self._awaited.pop(rref_id)
@@ -443,11 +455,21 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
     except BaseException:
         table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it
         raise
-    reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures surface on use
+    reply.add_done_callback(functools.partial(_created_or_not, worker, owner, rref_id))
     rref = RRef._make(worker, owner, rref_id, fork, value)
     if owner != worker.rank:  # the owner keeps its own value (confirmed_by_owner)
         rref._creation = reply
     return rref
+
+
+def _created_or_not(worker: Worker, owner: int, rref_id: RRefId, reply: asyncio.Future[Any]) -> None:
+    """The remote() call answered; its failure surfaces on the RRef's next use. One the
+    owner refused before reading which value it creates (arguments it cannot unpickle)
+    never reached its table: tell it, so that nobody there waits for that value."""
+    if reply.cancelled() or not isinstance(reply.exception(), RemoteError):
+        return
+    with contextlib.suppress(Exception):  # the owner is gone: nobody waits there either
+        worker.tell(owner, "rref.not_created", Payload.dump(rref_id))
 
 
 def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseException) -> BaseException:
@@ -534,5 +556,7 @@ def install_handlers(worker: Worker) -> None:
 
     worker.register("rref.create", create)
     worker.register("rref.fetch", fetch)
+    worker.register("rref.not_created",
+                    lambda peer, payload: table.not_created(tuple(payload.load())), tell_only=True)
     worker.register("rref.add_fork", add_fork, tell_only=True)
     worker.register("rref.del_fork", del_fork, tell_only=True)

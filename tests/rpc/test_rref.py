@@ -724,3 +724,39 @@ async def test_values_asked_for_early_that_will_not_come_fail():
     with pytest.raises(ag.WorkerLost):
         from_2.value.result()
     assert (2, 4) not in table.entries and not table._awaited
+
+
+def _refuse_to_unpickle() -> None:
+    raise RuntimeError("cannot be rebuilt on the owner")
+
+
+class Unloadable:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_refuse_to_unpickle, ())
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+async def test_a_creation_the_owner_could_not_read_is_not_waited_for(group3):
+    """The owner fails the remote() call before reading which value it creates: uses of
+    the RRef fail at once (from any worker), and the owner keeps nothing for it."""
+    rref = ag.remote("worker1", identity, args=(Unloadable(),))
+    with pytest.raises(ag.RemoteError, match="cannot be rebuilt"):
+        await asyncio.wait_for(rref._creation, 5)
+    await asyncio.sleep(0.05)  # the owner hears that it was not created
+    started = time.monotonic()
+    with pytest.raises(ag.RemoteError):
+        await rref.to_here(timeout=5)
+    with pytest.raises(ag.RemoteError):
+        await ag.rpc_async("worker2", fetch_and_sum, args=(rref,), timeout=5)
+    assert time.monotonic() - started < 3
+
+    def awaited_on_owner() -> int:
+        from actorgrad.rpc._rref import owner_table
+        from actorgrad.runtime import get_worker
+
+        return len(owner_table(get_worker())._awaited)
+
+    assert await ag.rpc_async("worker1", awaited_on_owner) == 0
