@@ -9,6 +9,7 @@ message id are joined across workers: the edge that gradients travel over RPC.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import shutil
 import subprocess
 from collections.abc import Hashable, Sequence
@@ -155,17 +156,34 @@ def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> GraphQuery:
     return GraphQuery(get_worker(), context_id, tuple(roots))
 
 
-class GraphQuery:
-    """What :func:`graph` returns: await it for the graph, or use it as the graph
-    (``graph(cid).to_dot()``) where blocking calls work (a script, a thread, Jupyter and
-    other asyncio loops, like ``rpc_sync``); collected once."""
+class GraphQuery(collections.abc.Coroutine):
+    """What :func:`graph` returns: a coroutine of the graph (await it, or make it a
+    task), or, used as the graph (``graph(cid).to_dot()``), collected where blocking
+    calls work (a script, a thread, Jupyter and other asyncio loops, like
+    ``rpc_sync``); collected once."""
 
     def __init__(self, worker: Worker, context_id: int, roots: tuple[torch.Tensor, ...]) -> None:
         self._worker, self._context_id, self._roots = worker, context_id, roots
         self._graph: DistGraph | None = None
+        self._running: Any = None  # the coroutine a task (or an await) drives
+
+    def _coroutine(self) -> Any:
+        if self._running is None:
+            self._running = self._collected()
+        return self._running
 
     def __await__(self) -> Any:
-        return self._collected().__await__()
+        return self._coroutine().__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._coroutine().send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        return self._coroutine().throw(*exc)
+
+    def close(self) -> None:
+        if self._running is not None:
+            self._running.close()
 
     async def _collected(self) -> DistGraph:
         if self._graph is None:
@@ -173,12 +191,17 @@ class GraphQuery:
         return self._graph
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
+        if name not in _GRAPH_NAMES:  # e.g. asyncio asking a coroutine for cr_frame
             raise AttributeError(name)
         if self._graph is None:
             worker = self._worker
             self._graph = run_sync(worker, lambda: worker.loop.create_task(self._collected()))
         return getattr(self._graph, name)
+
+
+_GRAPH_NAMES = frozenset(
+    {name for name in dir(DistGraph) if not name.startswith("_")} | {"nodes", "edges", "context_id"}
+)
 
 
 async def _collect(worker: Worker, context_id: int, roots: Sequence[torch.Tensor]) -> DistGraph:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import torch
@@ -87,6 +88,8 @@ async def test_graph_used_without_await_where_blocking_calls_work(group2) -> Non
         assert used.to_dot() == waited.to_dot()
         assert used.nodes == waited.nodes and sorted(used.edges) == sorted(waited.edges)
         assert any(n["worker"] == "worker1" for n in used.nodes.values())
+        tasked = await asyncio.create_task(ag.autograd.graph(cid, roots=[loss]))  # a coroutine
+        assert tasked.to_dot() == waited.to_dot()
 
 
 def _calls(path) -> int:  # type: ignore[no-untyped-def]
