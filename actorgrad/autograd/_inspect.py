@@ -20,7 +20,7 @@ import torch
 
 from ..runtime import Worker, get_worker, run_sync
 from ..wire import Payload
-from ._context import context_actor
+from ._context import RecvRpcBackward, context_actor
 from ._plan import make_plan
 
 _TARGET = "autograd.describe"
@@ -78,6 +78,19 @@ def _message_label(message_id: int) -> str:
     return f"{message_id >> 48}.{message_id & ((1 << 48) - 1)}"
 
 
+_RECV_FUNCTION = f"{RecvRpcBackward.__name__}Backward"
+
+
+def _past_recv_function(node: Any) -> Any:
+    """A received tensor's own function (an identity that hands its gradient to the
+    recv leaf) drawn as that recv, as torch's graph has one recv node."""
+    if node.name() == _RECV_FUNCTION:
+        for child, _ in node.next_functions:
+            if child is not None:
+                return child
+    return node
+
+
 def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor] = ()) -> dict[str, Any]:
     """This worker's share of the graph as plain data (sent to the collecting worker)."""
     ctx = context_actor(worker).get(context_id)
@@ -123,6 +136,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
                 continue
             else:
                 node = tensor.grad_fn or torch.autograd.graph.get_gradient_edge(tensor).node
+            node = _past_recv_function(node)
             edges.append((start_id, node_id(node), "local"))
             if node not in seen:
                 seen.add(node)
@@ -132,6 +146,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
         for child, _ in node.next_functions:
             if child is None:
                 continue
+            child = _past_recv_function(child)
             edges.append((node_id(node), node_id(child), "local"))
             if child not in seen:
                 seen.add(child)

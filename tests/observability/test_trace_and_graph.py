@@ -61,6 +61,8 @@ async def test_graph_joins_send_and_recv_across_workers(group2) -> None:  # type
         loss = (t3 * t2).sum()
         graph = await ag.autograd.graph(cid, roots=[loss])
     kinds = [(n["worker"], n["kind"]) for n in graph.nodes.values()]
+    # a received tensor's own function is drawn as its recv, as torch has one node
+    assert not any(n["label"].startswith("RecvRpcBackward") for n in graph.nodes.values())
     assert kinds.count(("worker0", "send")) == 1 and kinds.count(("worker1", "send")) == 1
     assert kinds.count(("worker1", "recv")) == 2 and kinds.count(("worker0", "recv")) == 1
     assert ("worker0", "root") in kinds
