@@ -265,8 +265,9 @@ async def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: G
                      async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over the group, in place, on every member."""
     act, g, impl = _prepare(group, "all_reduce")
-    _check_tensor(tensor, "tensor")
-    _check_op(op, tensor)
+    with _refusal(act, g, "all_reduce", counted=g is not None and act.arenas.settled(g.id)):
+        _check_tensor(tensor, "tensor")
+        _check_op(op, tensor)
     if g is None:
         return None
     if len(g.ranks) == 1:
@@ -442,17 +443,19 @@ def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | N
 
 
 @contextlib.contextmanager
-def _refusal(act: CollectiveActor, g: Group | None, what: str) -> Iterator[None]:
+def _refusal(act: CollectiveActor, g: Group | None, what: str, counted: bool = True) -> Iterator[None]:
     """Around a member's argument checks: when they refuse this rank's part of a
     collective of ours, the other members' part fails at once (naming the problem)
     instead of waiting for this rank until their timeout, and the group's operations
-    stay numbered alike on every member. Not for all_reduce: which all-reduces are
-    tiny must count alike on every member (see ``_arena_channel``), and a refused one
-    would count on the others only."""
+    stay numbered alike on every member (a refused call is not paired with this rank's
+    next one). ``counted=False`` leaves the refusal to this rank alone: an all_reduce
+    while the group's arena negotiation runs, where which all-reduces are tiny must
+    count alike on every member (see ``_arena_channel``) and a refused one would count
+    on the others only."""
     try:
         yield
     except (TypeError, ValueError) as exc:
-        if g is not None and g.backend == "actorgrad" and len(g.ranks) > 1:
+        if counted and g is not None and g.backend == "actorgrad" and len(g.ranks) > 1:
             act.refuse(g, f"{what}: {exc}")
         raise
 

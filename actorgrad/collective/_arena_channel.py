@@ -229,6 +229,12 @@ class ArenaChannel:
             progressed = True
         return progressed
 
+    def settled(self, gid: int) -> bool:
+        """Whether the negotiation of group ``gid`` is over here (its first two tiny
+        all-reduces started): from then on, how many came no longer matters."""
+        st = self._groups.get(gid)
+        return st is not None and st.count >= 2
+
     def skip(self, gid: int, seq: int) -> None:
         """Operation ``seq`` of group ``gid`` failed here on another path: this member
         will never read the arena for it (so nobody waits for that to reuse a slot)."""

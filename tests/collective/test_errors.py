@@ -292,3 +292,37 @@ async def test_tune_helper_reaches_every_worker(make_group: object) -> None:
     group: InProcessGroup = await make_group(2)  # type: ignore[operator]
     tune(group, ring_min_bytes=123)
     assert all(w.extensions["collective"].ring_min_bytes == 123 for w in group.workers)
+
+
+@pytest.mark.parametrize("bad", ["tensor", "op"])
+async def test_an_all_reduce_refused_on_one_rank_is_not_paired_with_its_next(
+    make_group: object, bad: str
+) -> None:
+    """Once the group's first small all-reduces ran (the shared-memory arena settled),
+    an all_reduce refused on rank 1 fails the others at once, and is not paired with
+    rank 1's next all_reduce (which silently summed two different calls)."""
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def body(rank: int) -> tuple[str, list[float]]:
+        for _ in range(4):  # the arena's negotiation, and a few through it
+            await C.all_reduce(torch.ones(2))
+        try:
+            if rank == 1:
+                if bad == "tensor":
+                    await C.all_reduce([1.0, 2.0])  # type: ignore[arg-type]
+                else:
+                    await C.all_reduce(torch.ones(2, dtype=torch.int64), op=ReduceOp.AVG)
+            else:
+                await C.all_reduce(torch.ones(2, dtype=torch.int64))
+            outcome = "ok"
+        except Exception as exc:
+            outcome = type(exc).__name__
+        after = torch.full((2,), float(rank))
+        await C.all_reduce(after)
+        return outcome, after.tolist()
+
+    start = time.monotonic()
+    results = await run_all(group, body, timeout=30)
+    assert time.monotonic() - start < 10
+    assert [outcome for outcome, _ in results] == ["CollectiveError", "TypeError", "CollectiveError"]
+    assert all(values == [3.0, 3.0] for _, values in results)
