@@ -61,14 +61,29 @@ async def init_rpc(
         setup(worker)
     await worker.start(init_method)
     _current.current_worker.set(worker)
-    # torch and friends leave ~170k long-lived objects; full collections scanning them
-    # cost ~80 us per call under load. Move them out of the collector's way. Unfrozen
-    # first: what an earlier group of this process froze and has dropped since (a test
-    # suite, a notebook that starts groups again) is collected now, not kept for good.
-    gc.unfreeze()
+    _freeze_long_lived()
+    return worker.info
+
+
+_REFREEZE_GROWTH = 50_000  # objects frozen since the last full collection that call for one
+_frozen_base: int | None = None  # gc.get_freeze_count() after the last full collection
+
+
+def _freeze_long_lived() -> None:
+    """torch and friends leave ~170k long-lived objects; full collections scanning them
+    cost ~80 us per call under load: move them out of the collector's way. A process
+    that starts groups again (a test suite, a notebook) freezes what lives at each
+    start, garbage-to-be of the earlier groups included; once that has grown by
+    ``_REFREEZE_GROWTH`` objects, one full collection (~65 ms) frees what was dropped
+    since, so it is not kept for good, while most starts stay cheap."""
+    global _frozen_base
+    full = _frozen_base is not None and gc.get_freeze_count() > _frozen_base + _REFREEZE_GROWTH
+    if full:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
-    return worker.info
+    if _frozen_base is None or full:
+        _frozen_base = gc.get_freeze_count()
 
 
 def _check_init_args(name: object, rank: object, world_size: object, init_method: object,

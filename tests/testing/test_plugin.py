@@ -210,14 +210,18 @@ async def test_local_group_workers_import_like_this_process_and_share_its_option
     assert not os.path.exists(group.logdir)  # noqa: ASYNC240
 
 
-async def test_groups_started_one_after_another_do_not_keep_each_other_alive() -> None:
+async def test_groups_started_one_after_another_do_not_keep_each_other_alive(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A test suite or a notebook starts groups again and again in one process: the
     workers of a group shut down are freed, and garbage an earlier start moved out of
-    the collector's reach (init_rpc freezes what lives then) is collected later."""
+    the collector's reach (init_rpc freezes what lives then) is collected once enough of
+    it was frozen (here: at once)."""
     import gc
     import weakref
 
+    from actorgrad import _api
     from actorgrad.testing import start_in_process
+
+    monkeypatch.setattr(_api, "_REFREEZE_GROWTH", 0)
 
     class Cycle:
         def __init__(self) -> None:
