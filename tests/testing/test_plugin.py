@@ -240,3 +240,32 @@ async def test_groups_started_one_after_another_do_not_keep_each_other_alive(mon
     gc.collect()
     assert junk_ref() is None
     assert old_worker() is None
+
+
+async def test_local_group_started_twice_says_to_shut_the_first_down() -> None:
+    """A notebook cell run twice: refused before any process starts, saying what to do."""
+    from actorgrad.testing import local_group
+
+    def worker_children() -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):  # noqa: ASYNC240 - a quick scan
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:  # noqa: ASYNC230
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:  # noqa: ASYNC230
+                    cmdline = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == os.getpid() and b"actorgrad.testing._serve" in cmdline:
+                found.append(int(entry))
+        return found
+
+    group = await local_group(2)
+    try:
+        with pytest.raises(RuntimeError, match="group.shutdown"):
+            await local_group(2)
+        assert worker_children() == group.pids  # the first group's worker only
+    finally:
+        await group.shutdown()
