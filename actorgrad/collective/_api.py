@@ -265,9 +265,15 @@ async def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: G
                      async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over the group, in place, on every member."""
     act, g, impl = _prepare(group, "all_reduce")
-    with _refusal(act, g, "all_reduce", counted=g is not None and act.arenas.settled(g.id)):
+    try:  # not _refusal: the smallest collective pays nothing for it unless refused
         _check_tensor(tensor, "tensor")
         _check_op(op, tensor)
+    except (TypeError, ValueError) as exc:
+        # while the group's arena negotiation runs, which counts small all-reduces
+        # alike on every member, a refused one would count on the others only
+        if g is not None and act.arenas.settled(g.id):
+            _refuse(act, g, "all_reduce", exc)
+        raise
     if g is None:
         return None
     if len(g.ranks) == 1:
@@ -443,21 +449,23 @@ def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | N
 
 
 @contextlib.contextmanager
-def _refusal(act: CollectiveActor, g: Group | None, what: str, counted: bool = True) -> Iterator[None]:
+def _refusal(act: CollectiveActor, g: Group | None, what: str) -> Iterator[None]:
     """Around a member's argument checks: when they refuse this rank's part of a
     collective of ours, the other members' part fails at once (naming the problem)
     instead of waiting for this rank until their timeout, and the group's operations
     stay numbered alike on every member (a refused call is not paired with this rank's
-    next one). ``counted=False`` leaves the refusal to this rank alone: an all_reduce
-    while the group's arena negotiation runs, where which all-reduces are tiny must
-    count alike on every member (see ``_arena_channel``) and a refused one would count
-    on the others only."""
+    next one)."""
     try:
         yield
     except (TypeError, ValueError) as exc:
-        if counted and g is not None and g.backend == "actorgrad" and len(g.ranks) > 1:
-            act.refuse(g, f"{what}: {exc}")
+        if g is not None:
+            _refuse(act, g, what, exc)
         raise
+
+
+def _refuse(act: CollectiveActor, g: Group, what: str, exc: Exception) -> None:
+    if g.backend == "actorgrad" and len(g.ranks) > 1:
+        act.refuse(g, f"{what}: {exc}")
 
 
 def _root_list(what: str, act: CollectiveActor, g: Group, tensor: torch.Tensor, root: Any, root_name: str,

@@ -124,10 +124,11 @@ class OwnerTable:
     def created(self, rref_id: RRefId) -> _Entry | None:
         """A creation of ``rref_id`` came: the entry that waited for it, if any. Values
         asked for with a lower id of the same creator will not come any more."""
-        creator, number = rref_id
-        if number > self._created_up_to.get(creator, 0):
-            self._created_up_to[creator] = number
+        self._came(rref_id)
+        if not self._awaited:
+            return None
         waiting = self._awaited.pop(rref_id, None)
+        creator, number = rref_id
         for other_id in [k for k in self._awaited if k[0] == creator and k[1] < number]:
             self._give_up(other_id, RuntimeError(
                 f"RRef {other_id} was asked for on {self.worker.name}, but its creation never came"
@@ -137,13 +138,17 @@ class OwnerTable:
     def not_created(self, rref_id: RRefId) -> None:
         """The remote() call of ``rref_id`` failed before its id was read here: it never
         will be created, and nobody may wait for it."""
-        creator, number = rref_id
-        if number > self._created_up_to.get(creator, 0):
-            self._created_up_to[creator] = number
+        self._came(rref_id)
         if rref_id in self._awaited:
             self._give_up(rref_id, RuntimeError(
                 f"RRef {rref_id} was never created on {self.worker.name}: its remote() call failed there"
             ))
+
+    def _came(self, rref_id: RRefId) -> None:
+        """The remote() call of ``rref_id`` reached this owner (created or not)."""
+        creator, number = rref_id
+        if number > self._created_up_to.get(creator, 0):
+            self._created_up_to[creator] = number
 
     def _give_up(self, rref_id: RRefId, error: BaseException) -> None:
         entry = self._awaited.pop(rref_id)
