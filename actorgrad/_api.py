@@ -52,8 +52,7 @@ async def init_rpc(
     world_size = None if world_size is None else int(world_size)
     options = options or RpcOptions()
     _, _, _, rank, world_size = parse_init_method(init_method, rank, world_size)
-    if any(not w.closed and w.loop is asyncio.get_running_loop() and w.name == name
-           for w in _current._live_workers):
+    if _current.running_here(name):
         raise ActorgradError(f"a worker named {name!r} is already running on this loop")
     load_layers()
     worker = Worker(name, rank, world_size, options)

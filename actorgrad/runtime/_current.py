@@ -7,6 +7,7 @@ cell, a thread) falls back to the only worker of the process, if there is exactl
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,12 @@ def register(worker: Worker) -> None:
 def unregister(worker: Worker) -> None:
     if worker in _live_workers:
         _live_workers.remove(worker)
+
+
+def running_here(name: str) -> bool:
+    """Whether a worker named ``name`` runs on the calling code's event loop."""
+    loop = asyncio.get_running_loop()
+    return any(not w.closed and w.loop is loop and w.name == name for w in _live_workers)
 
 
 def get_worker() -> Worker:

@@ -185,9 +185,7 @@ async def local_group(
     The processes serve until worker0 shuts down (``await group.shutdown()``), and die
     with it if it disappears.
     """
-    running = [w.name for w in _current._live_workers
-               if not w.closed and w.loop is asyncio.get_running_loop() and w.name == "worker0"]
-    if running:  # checked before any process starts (a notebook cell run twice)
+    if _current.running_here("worker0"):  # before any process starts (a cell run twice)
         raise RuntimeError(
             "local_group: worker0 is already running on this loop (an earlier group); "
             "`await group.shutdown()` it first"
