@@ -145,15 +145,32 @@ class OptimizerActor:
 _ids = itertools.count(1)
 
 
+class _ReachedParameters(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by ``_NoParameters`` once an optimizer's constructor reads its parameters."""
+
+
+class _NoParameters:
+    """Stands for the parameters in ``_check_arguments``: the constructor's argument
+    checks run before it reads them (torch's optimizers check their hyperparameters
+    first, then hand the parameters to ``Optimizer.__init__``); reading them ends the
+    check, so nothing about the real parameters (Muon takes 2-D ones only) is judged
+    on a stand-in."""
+
+    def __iter__(self) -> Any:
+        raise _ReachedParameters
+
+
 def _check_arguments(optimizer_class: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse what every owner would refuse (a negative learning rate, an unknown
     keyword) here and now, as torch's constructor does, instead of at the first step:
-    one instance over a stand-in parameter says so. Other failures are the owners' to
-    report (an optimizer may need the real parameters)."""
+    the constructor runs until it reads its parameters. Other failures are the
+    owners' to report (an optimizer may need the real parameters)."""
     if not callable(optimizer_class):
         raise TypeError(f"optimizer_class must be an optimizer class, got {optimizer_class!r}")
     try:
-        optimizer_class([torch.zeros(1, requires_grad=True)], *args, **kwargs)
+        optimizer_class(_NoParameters(), *args, **kwargs)
+    except _ReachedParameters:
+        pass
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{getattr(optimizer_class, '__name__', optimizer_class)}: {exc}") from exc
     except Exception:  # noqa: BLE001 - not an argument problem: the owners will tell

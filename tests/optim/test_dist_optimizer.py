@@ -251,6 +251,27 @@ async def test_arguments_every_owner_would_refuse_are_refused_at_once(group2):
         ag.optim.DistributedOptimizer("SGD", [w], lr=0.1)  # type: ignore[arg-type]
 
 
+async def test_optimizer_that_checks_its_parameters_is_judged_by_its_owners(group2):
+    """Muon takes 2-D parameters only: the argument check must not build it over a
+    stand-in parameter of its own (it refused every Muon), yet still refuses its bad
+    arguments at once. The step equals a local Muon step."""
+    rref = ag.remote("worker1", make_param, args=(13, (4, 3)))
+    before = await rref.to_here()
+    with pytest.raises(ValueError, match="Muon: Learning rate should be >= 0"):
+        ag.optim.DistributedOptimizer(torch.optim.Muon, [rref], lr=-1)
+    opt = ag.optim.DistributedOptimizer(torch.optim.Muon, [rref], lr=0.02)
+    x = torch.rand(4, 3)
+    async with ag.autograd.context() as context_id:
+        p = await rref.to_here()
+        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
+        await opt.step(context_id)
+    lp = clone_leaf(before)
+    local = torch.optim.Muon([lp], lr=0.02)
+    scaled_sum(lp, x).backward()
+    local.step()
+    torch.testing.assert_close(await rref.to_here(), lp.detach())
+
+
 class SlowSGD(torch.optim.SGD):
     """SGD whose step takes a while (as with big parameters): widens any race window."""
 
