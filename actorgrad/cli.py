@@ -8,11 +8,11 @@ launcher in the spirit of ``torchrun``::
 It starts ``nproc`` copies of ``sys.executable train.py --lr 0.1``, each with
 the environment variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``ACTORGRAD_AUTH_KEY``
-and ``PYTHONUNBUFFERED=1``.  Every output line of rank ``r`` is echoed with a
-``[rank r] `` prefix.  If any rank fails, or the launcher receives SIGINT,
-SIGTERM, SIGHUP or SIGQUIT, every rank's process group is signalled, given a grace period, and
-then killed; the launcher always waits for all of its children before it
-returns.
+and ``PYTHONUNBUFFERED=1`` (and ``OMP_NUM_THREADS=1`` unless set, as torchrun
+does).  Every output line of rank ``r`` is echoed with a ``[rank r] `` prefix (see
+``_rank_output``).  If any rank fails, or the launcher receives SIGINT, SIGTERM, SIGHUP
+or SIGQUIT, every rank's process group is signalled, given a grace period, and then
+killed; the launcher always waits for all of its children before it returns.
 
 This module uses the standard library only, and the package loads its public names
 on first use, so the launcher starts without importing torch.
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import errno
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -34,8 +35,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
+from . import _rank_output
 from ._ports import pick_rendezvous_port
 
 __all__ = ["main", "launch"]
@@ -43,12 +45,11 @@ __all__ = ["main", "launch"]
 _PROG = "actorgrad"
 _LAUNCH = "actorgrad launch"
 
-#: Seconds between the polite signal (SIGTERM/SIGINT) and SIGKILL.
-GRACE_PERIOD_S = 3.0
+#: Seconds between the polite signal (SIGTERM/SIGINT) and SIGKILL (torchrun's: time
+#: for a rank's handler to save a checkpoint; a second Ctrl-C kills at once).
+GRACE_PERIOD_S = 30.0
 #: How often the supervisor loop polls the children.
 _POLL_INTERVAL_S = 0.05
-#: How long to wait for output-forwarding threads after all children exited.
-_READER_JOIN_TIMEOUT_S = 2.0
 
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -78,6 +79,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    """argparse ``type=`` for a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -139,7 +151,32 @@ def _build_parser() -> argparse.ArgumentParser:
         help="record RPC and backward events on every rank; rank 0 writes one merged "
         "Chrome-trace JSON to this path when it shuts down",
     )
-    launch_p.add_argument("script", metavar="SCRIPT", help="Python script to run in every rank")
+    launch_p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module, run as `python -m SCRIPT` (as torchrun's -m)",
+    )
+    launch_p.add_argument(
+        "--grace-period",
+        type=_non_negative_float,
+        default=GRACE_PERIOD_S,
+        metavar="S",
+        help="seconds a rank has to exit after SIGTERM/SIGINT before it is killed "
+        "(default: %(default)g; a second Ctrl-C kills at once)",
+    )
+    launch_p.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="1",
+        help="accepted for torchrun compatibility: only 1 (this machine)",
+    )
+    launch_p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun compatibility (the rendezvous is always local)",
+    )
+    launch_p.add_argument("script", metavar="SCRIPT", help="Python script (or module, with -m) to run in every rank")
     launch_p.add_argument(
         "script_args",
         nargs=argparse.REMAINDER,
@@ -203,43 +240,6 @@ def _describe_exit(returncode: int) -> tuple[str, int]:
             name = f"signal {signum}"
         return f"was killed by {name} (exit code {128 + signum})", 128 + signum
     return f"exited with code {returncode}", returncode
-
-
-class _Output:
-    """Thread-safe, failure-tolerant line writer for the launcher's stdout/stderr."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def write(self, stream: IO[str], text: str) -> None:
-        """Write ``text`` to ``stream`` atomically w.r.t. other writers and flush."""
-        with self._lock:
-            try:
-                stream.write(text)
-                stream.flush()
-            except (OSError, ValueError):
-                # Closed or broken pipe (e.g. `actorgrad launch ... | head`):
-                # keep draining the children anyway so they never block.
-                pass
-
-    def message(self, text: str) -> None:
-        """Print a launcher message to stderr."""
-        self.write(sys.stderr, f"{_LAUNCH}: {text}\n")
-
-
-def _forward_lines(pipe: IO[bytes], prefix: str, stream: IO[str], out: _Output) -> None:
-    """Copy every line from ``pipe`` to ``stream`` prefixed with ``prefix``."""
-    try:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"
-            out.write(stream, prefix + line)
-    except (OSError, ValueError):
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            pipe.close()
 
 
 @dataclass
@@ -323,29 +323,31 @@ def _child_env(rank: int, nproc: int, addr: str, port: int, auth_key: str) -> di
         ACTORGRAD_AUTH_KEY=auth_key,
         PYTHONUNBUFFERED="1",
     )
+    if nproc > 1:
+        # as torchrun: N ranks each using every core would slow one another down
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
-def _start_rank(rank: int, cmd: list[str], env: dict[str, str], out: _Output) -> _Rank:
-    """Start one worker in its own session and its output-forwarding threads."""
+def _start_rank(rank: int, cmd: list[str], env: dict[str, str],
+                sinks: tuple[_rank_output.Sink, _rank_output.Sink]) -> _Rank:
+    """Start one worker in its own session and its output-forwarding threads.
+
+    It shares the launcher's stdin, as under torchrun (``input()``, ``breakpoint()``)."""
     proc = subprocess.Popen(
         cmd,
         env=env,
-        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
     r = _Rank(rank=rank, proc=proc)
-    prefix = f"[rank {rank}] "
+    prefix = f"[rank {rank}] ".encode()
     assert proc.stdout is not None and proc.stderr is not None
-    for pipe, stream, name in (
-        (proc.stdout, sys.stdout, "stdout"),
-        (proc.stderr, sys.stderr, "stderr"),
-    ):
+    for pipe, sink, name in ((proc.stdout, sinks[0], "stdout"), (proc.stderr, sinks[1], "stderr")):
         t = threading.Thread(
-            target=_forward_lines,
-            args=(pipe, prefix, stream, out),
+            target=_rank_output.forward,
+            args=(pipe, prefix, sink),
             name=f"actorgrad-rank{rank}-{name}",
             daemon=True,
         )
@@ -354,10 +356,54 @@ def _start_rank(rank: int, cmd: list[str], env: dict[str, str], out: _Output) ->
     return r
 
 
+class _ExitWatch:
+    """Reports the ranks in the order they exit.
+
+    A thread per rank waits for its exit without reaping it (``waitid`` with
+    ``WNOWAIT``; the supervisor's ``Popen`` reaps), so two ranks that fail a few
+    milliseconds apart are told apart: the first is the one to report (the other
+    often only saw it go). Without ``waitid`` the ranks are polled.
+    """
+
+    def __init__(self, ranks: Sequence[_Rank]) -> None:
+        self._ranks = ranks
+        self._seen: set[int] = set()
+        self._exits: queue.SimpleQueue[_Rank] | None = None
+        if hasattr(os, "waitid") and hasattr(os, "WNOWAIT"):
+            self._exits = queue.SimpleQueue()
+            for r in ranks:
+                threading.Thread(target=self._wait, args=(r,), name=f"actorgrad-rank{r.rank}-exit",
+                                 daemon=True).start()
+
+    def _wait(self, r: _Rank) -> None:
+        assert self._exits is not None
+        with contextlib.suppress(OSError):  # ChildProcessError: already reaped
+            os.waitid(os.P_PID, r.proc.pid, os.WEXITED | os.WNOWAIT)
+        self._exits.put(r)
+
+    def exited(self, timeout: float) -> list[_Rank]:
+        """The ranks that exited since the last call, in order (reaped), waiting at
+        most ``timeout`` for the first."""
+        if self._exits is None:
+            time.sleep(timeout)
+            found = [r for r in self._ranks if r.rank not in self._seen and r.proc.poll() is not None]
+        else:
+            found = []
+            with contextlib.suppress(queue.Empty):
+                found.append(self._exits.get(timeout=timeout))
+                while True:
+                    found.append(self._exits.get_nowait())
+            for r in found:
+                r.proc.wait()  # it exited: this only reaps
+        self._seen.update(r.rank for r in found)
+        return found
+
+
 def _shutdown(
     ranks: Sequence[_Rank],
     first_signal: int,
     signals: _SignalState,
+    err: _rank_output.Sink,
     grace_s: float = GRACE_PERIOD_S,
 ) -> None:
     """Stop every rank: ``first_signal`` to each group, then SIGKILL after ``grace_s``.
@@ -379,6 +425,10 @@ def _shutdown(
         if len(signals.received) > seen:
             break
         time.sleep(_POLL_INTERVAL_S)
+    running = [r.rank for r in ranks if r.proc.poll() is None]
+    if running:
+        why = "on a second signal" if len(signals.received) > seen else f"after {grace_s:g}s"
+        err.message(f"killing rank(s) {', '.join(map(str, running))}: still running {why}")
     _kill_and_reap(ranks, stragglers=True)
 
 
@@ -414,41 +464,55 @@ def _cleanup_stragglers(ranks: Sequence[_Rank], grace_s: float = 1.0) -> None:
     _signal_group([r for r in groups if _group_alive(r.pgid)], signal.SIGKILL)
 
 
+def _script_problem(script: str, module: bool) -> str | None:
+    """Why ``script`` cannot run, or None (a module is looked for by the ranks)."""
+    if module or os.path.isfile(script):
+        return None
+    if os.path.isdir(script):
+        if os.path.isfile(os.path.join(script, "__main__.py")):
+            return None  # python runs a directory with a __main__.py
+        return f"script {script} is a directory without a __main__.py"
+    return f"script not found: {script}"
+
+
 def launch(
     script: str,
     script_args: Sequence[str],
     nproc: int,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    *,
+    module: bool = False,
+    grace_period: float = GRACE_PERIOD_S,
 ) -> int:
-    """Run ``nproc`` copies of ``script`` and supervise them; return the exit code.
+    """Run ``nproc`` copies of ``script`` (a module with ``module``) and supervise
+    them; return the exit code.
 
-    Returns 0 if every rank exits 0; the first failing rank's exit code (or
-    ``128 + signal``) if one fails; ``128 + signal`` if the launcher is
-    interrupted by SIGINT/SIGTERM; 2 for usage errors (missing script, port
-    in use).  Never returns while a worker it started is still running.
+    Returns 0 if every rank exits 0; the exit code (or ``128 + signal``) of the rank
+    that failed first if one fails; ``128 + signal`` if the launcher is interrupted
+    by SIGINT/SIGTERM; 2 for usage errors (missing script, port in use).  Never
+    returns while a worker it started is still running, nor before the ranks'
+    output is written (unless a second signal says to stop waiting).
     """
-    out = _Output()
+    out, err = _rank_output.sinks(sys.stdout, sys.stderr)
 
-    if not os.path.isfile(script):
-        out.message(f"script not found: {script}")
-        return 2
-
-    if master_port is None:
-        try:
-            master_port = _pick_free_port(master_addr)
-        except OSError as exc:
-            out.message(str(exc))
-            return 2
-    elif _port_in_use(master_addr, master_port):
-        out.message(
-            f"--master-port {master_port} is already in use on {master_addr}; "
-            "choose another port or omit --master-port to pick a free one"
-        )
+    problem = _script_problem(script, module)
+    if problem is None:
+        if master_port is None:
+            try:
+                master_port = _pick_free_port(master_addr)
+            except OSError as exc:
+                problem = str(exc)
+        elif _port_in_use(master_addr, master_port):
+            problem = (f"--master-port {master_port} is already in use on {master_addr}; "
+                       "choose another port or omit --master-port to pick a free one")
+    if problem is not None or master_port is None:
+        err.message(f"{_LAUNCH}: {problem}\n")
+        _rank_output.wait_for_output([], [out, err], lambda: False)
         return 2
 
     auth_key = os.environ.get("ACTORGRAD_AUTH_KEY") or secrets.token_hex(32)
-    cmd = [sys.executable, script, *script_args]
+    cmd = [sys.executable, *(["-m"] if module else []), script, *script_args]
 
     signals = _SignalState()
     previous: dict[int, _SignalHandler] = {}
@@ -459,6 +523,9 @@ def launch(
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             previous[sig] = signal.signal(sig, signals.handler)
 
+    def say(text: str) -> None:
+        err.message(f"{_LAUNCH}: {text}\n")
+
     ranks: list[_Rank] = []
     exit_code = 0
     try:
@@ -467,45 +534,48 @@ def launch(
                 if signals.received:
                     break
                 env = _child_env(rank, nproc, master_addr, master_port, auth_key)
-                ranks.append(_start_rank(rank, cmd, env, out))
+                ranks.append(_start_rank(rank, cmd, env, (out, err)))
         except OSError as exc:
-            out.message(f"failed to start rank {len(ranks)}: {exc}")
-            _shutdown(ranks, signal.SIGTERM, signals)
+            say(f"failed to start rank {len(ranks)}: {exc}")
+            _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
             return 1
 
+        watch = _ExitWatch(ranks)
+        failed: list[_Rank] = []  # in the order they exited
+        done = 0
         while True:
             if signals.received:
                 signum = signals.received[0]
-                out.message(f"received {signal.Signals(signum).name}; stopping all {nproc} ranks")
+                say(f"received {signal.Signals(signum).name}; stopping all {nproc} ranks "
+                    "(again to kill them at once)")
                 # the ranks see Ctrl-C as KeyboardInterrupt; anything else as SIGTERM
-                _shutdown(ranks, signum if signum == signal.SIGINT else signal.SIGTERM, signals)
+                _shutdown(ranks, signum if signum == signal.SIGINT else signal.SIGTERM, signals, err,
+                          grace_period)
                 exit_code = 128 + signum
                 break
-            failed = next(
-                (r for r in ranks if r.proc.poll() is not None and r.proc.returncode != 0),
-                None,
-            )
-            if failed is not None:
-                text, exit_code = _describe_exit(failed.proc.returncode)
+            exited = watch.exited(_POLL_INTERVAL_S)
+            done += len(exited)
+            failed += [r for r in exited if r.proc.returncode != 0]
+            if failed:
+                first = failed[0]
+                text, exit_code = _describe_exit(first.proc.returncode)
                 others = [r for r in ranks if r.proc.poll() is None]
-                out.message(
-                    f"rank {failed.rank} {text}; terminating {len(others)} remaining rank(s)"
-                )
-                _shutdown(ranks, signal.SIGTERM, signals)
+                say(f"rank {first.rank} {text}; terminating {len(others)} remaining rank(s)")
+                for r in failed[1:]:
+                    say(f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} (after rank {first.rank})")
+                _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
                 break
-            if all(r.proc.poll() is not None for r in ranks):
+            if done == len(ranks):
                 exit_code = 0
                 break
-            time.sleep(_POLL_INTERVAL_S)
     finally:
         # Whatever happened above (including unexpected exceptions), no worker
         # outlives the launcher.
         _kill_and_reap(ranks, stragglers=False)
         _cleanup_stragglers(ranks)
-        deadline = time.monotonic() + _READER_JOIN_TIMEOUT_S
-        for r in ranks:
-            for t in r.threads:
-                t.join(max(0.0, deadline - time.monotonic()))
+        seen = len(signals.received)
+        _rank_output.wait_for_output([t for r in ranks for t in r.threads], [out, err],
+                                     lambda: len(signals.received) > seen)
         for prev_sig, handler in previous.items():
             signal.signal(prev_sig, signal.SIG_DFL if handler is None else handler)
     return exit_code
@@ -532,12 +602,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"{os.path.dirname(trace_path)} does not exist", file=sys.stderr)
                 return 2
             os.environ["ACTORGRAD_TRACE"] = trace_path
+        if args.nnodes not in ("1", "1:1"):
+            print(f"{_LAUNCH}: --nnodes {args.nnodes}: the launcher starts ranks on this "
+                  "machine only; on several machines start every rank with RANK, WORLD_SIZE, "
+                  "MASTER_ADDR and MASTER_PORT set (README: Running across machines)", file=sys.stderr)
+            return 2
         return launch(
             script=args.script,
             script_args=list(args.script_args),
             nproc=args.nproc,
             master_addr=args.master_addr,
             master_port=args.master_port,
+            module=args.module,
+            grace_period=args.grace_period,
         )
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2  # pragma: no cover

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -134,6 +135,7 @@ def test_three_ranks_get_distinct_ranks_and_shared_port_and_key() -> None:
         assert rep["local_world_size"] == "3"
         assert rep["master_addr"] == "127.0.0.1"
         assert rep["unbuffered"] == "1"
+        assert rep["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS", "1")  # as torchrun
         assert rep["auth_key_set"] is True
         assert rep["auth_key_len"] == 64  # secrets.token_hex(32)
     ports = {rep["master_port"] for rep in reports.values()}
@@ -223,6 +225,8 @@ def test_sigint_stops_all_ranks(tmp_path: Path) -> None:
         "launch",
         "--nproc",
         "3",
+        "--grace-period",
+        "1",
         str(SCRIPTS / "sleeper.py"),
         str(tmp_path),
         "--spawn-child-rank",
@@ -239,6 +243,7 @@ def test_sigint_stops_all_ranks(tmp_path: Path) -> None:
         assert time.monotonic() - start < 10
         assert proc.returncode == 130, (out, err)
         assert "received SIGINT" in err
+        assert "killing rank(s) 1: still running after 1s" in err
         _assert_all_dead(pids)
 
 
@@ -292,3 +297,79 @@ def test_the_launcher_starts_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", use], env=_env(), capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout.split() == ["actorgrad", "True", "True"]
+
+
+CASES = SCRIPTS / "output_cases.py"
+
+
+def test_a_failure_is_acted_on_while_nobody_reads_the_output(tmp_path: Path) -> None:
+    """A reader of the launcher's stdout that pauses (a pager, a paused terminal) must
+    neither keep the launcher from stopping the ranks when one fails nor lose lines."""
+    with _launcher(["launch", "--nproc", "2", str(CASES), "flood", str(tmp_path)]) as proc:
+        _wait_for_pid_files(tmp_path, ["rank0.pid"], timeout=20)
+        rank0 = int((tmp_path / "rank0.pid").read_text())
+        _assert_all_dead([rank0], timeout=10)  # stopped although stdout is not read yet
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 3, err
+    assert "rank 1 exited with code 3" in err
+    lines = [line for line in out.splitlines() if line.startswith("[rank 0] line ")]
+    assert lines == [f"[rank 0] line {i:05d} " + "x" * 20 for i in range(20000)]
+
+
+def test_the_rank_that_failed_first_is_reported(tmp_path: Path) -> None:
+    """Rank 0 exits a few milliseconds after rank 1, because rank 1 went: rank 1 is
+    the cause, and its exit code is the launcher's."""
+    code, _out, err = _run(["launch", "--nproc", "2", str(CASES), "race", str(tmp_path)])
+    assert code == 3, err
+    assert "rank 1 exited with code 3" in err
+
+
+def test_an_unfinished_line_is_shown_while_its_rank_waits(tmp_path: Path) -> None:
+    """A prompt or a progress bar without a newline reaches the screen before the
+    rest of its line (it was held back until the rank ended)."""
+    with _launcher(["launch", "--nproc", "2", str(CASES), "prompt", str(tmp_path)]) as proc:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        seen = b""
+        deadline = time.monotonic() + 20
+        while b"[rank 0] prompt> " not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                seen += chunk
+        assert b"[rank 0] prompt> " in seen
+        (tmp_path / "answer").touch()
+        rest, _err = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert (seen.decode() + rest).endswith("[rank 0] prompt> answered\n")
+
+
+def test_ranks_share_stdin_and_bytes_pass_unchanged(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "actorgrad", "launch", "--nproc", "2", str(CASES), "stdin", str(tmp_path)],
+        cwd=ROOT, env=_env(), input=b"hello\n", capture_output=True, timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert b"[rank 0] got 'hello'\n" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "actorgrad", "launch", "--nproc", "1", str(CASES), "bytes", str(tmp_path)],
+        cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"[rank 0] bytes \xff\xfe end\n"
+
+
+def test_modules_and_directories_run_as_with_python(tmp_path: Path) -> None:
+    code, out, err = _run(["launch", "--nproc", "2", "-m", "echo_argv", "a", "-m"],
+                          env=_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(SCRIPTS)])))
+    assert code == 0, err
+    for r in range(2):
+        assert f"[rank {r}] ARGV {json.dumps(['a', '-m'])}" in out.splitlines()
+    (tmp_path / "__main__.py").write_text("import os\nprint('main of', os.environ['RANK'])\n")
+    code, out, err = _run(["launch", "--nproc", "2", str(tmp_path)])
+    assert code == 0, err
+    assert {"[rank 0] main of 0", "[rank 1] main of 1"} <= set(out.splitlines())
+    code, _out, err = _run(["launch", "--nproc", "2", "--nnodes", "2", str(tmp_path)])
+    assert code == 2 and "this machine only" in err

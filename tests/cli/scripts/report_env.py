@@ -18,6 +18,7 @@ print(
             "master_addr": os.environ.get("MASTER_ADDR"),
             "master_port": os.environ.get("MASTER_PORT"),
             "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "auth_key_set": key is not None,
             "auth_key_len": len(key) if key else 0,
             "auth_key_sha256": hashlib.sha256(key.encode()).hexdigest() if key else None,

@@ -1,0 +1,196 @@
+"""Forwarding of the ranks' output for ``actorgrad launch`` (standard library only).
+
+Every rank's stdout and stderr is a pipe read by a thread of its own; what it reads
+is cut at line ends (``\\n``, and ``\\r`` as progress bars use), prefixed with the
+rank and queued on a :class:`Sink`, one per launcher stream, whose own thread writes
+it out. Nothing the supervisor does waits for a stream: a reader that stopped
+reading the launcher's stdout (a pager, a paused terminal) holds up only that
+stream's writer, and through the bounded queue the ranks that write to it, exactly
+as it would hold up ranks writing straight to it, while failures and signals are
+still acted on at once.
+
+Bytes pass through as the ranks wrote them (no decoding), and a line still being
+written (a prompt, a progress bar) is shown once its rank has been quiet for
+``PARTIAL_AFTER_S``; a line of another rank interleaved with it starts on a line of
+its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import IO
+
+#: How long a rank's unfinished line waits for the rest before it is shown.
+PARTIAL_AFTER_S = 0.1
+#: Bytes a sink holds before the readers feeding it wait (the ranks then block on
+#: their pipes, as they would writing to a stream nobody reads).
+SINK_BUDGET_BYTES = 1 << 20
+_READ_BYTES = 1 << 16
+
+
+class Sink:
+    """One destination (the launcher's stdout or stderr) and the thread writing to it."""
+
+    def __init__(self, stream: IO[str], name: str, budget: int = SINK_BUDGET_BYTES) -> None:
+        self._stream = stream
+        self._budget = budget
+        self._chunks: deque[bytes] = deque()
+        self._pending = 0  # bytes queued or being written
+        self._open: object | None = None  # the source whose line is unfinished on screen
+        self._closed = False
+        self._broken = False  # the stream refused a write: the rest is dropped
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"actorgrad-launch-{name}", daemon=True)
+        self._thread.start()
+
+    def put_line(self, source: object, prefix: bytes, text: bytes, complete: bool, *, wait: bool = True) -> None:
+        """Queue ``text`` of ``source`` (``complete`` when it ends its line). With
+        ``wait`` the caller waits while the sink is over budget."""
+        with self._cond:
+            while wait and self._pending > self._budget and not self._broken:
+                self._cond.wait()
+            if self._broken:
+                return
+            pieces = []
+            if self._open is not None and self._open is not source:
+                pieces.append(b"\n")  # another source's unfinished line: end it on screen
+                self._open = None
+            if self._open is None:
+                if text == b"\r":
+                    return  # a carriage return at a line start moves nothing
+                pieces.append(prefix)
+            pieces.append(text)
+            self._open = None if complete else source
+            data = b"".join(pieces)
+            self._chunks.append(data)
+            self._pending += len(data)
+            self._cond.notify_all()
+
+    def message(self, text: str) -> None:
+        """A launcher message: queued whole, never waiting (the supervisor calls it)."""
+        encoding = getattr(self._stream, "encoding", None) or "utf-8"
+        self.put_line(self, b"", text.encode(encoding, errors="replace"), True, wait=False)
+
+    def drained(self) -> bool:
+        """Whether everything queued was written (or the stream refused it)."""
+        with self._cond:
+            return self._pending == 0 or self._broken
+
+    def close(self) -> None:
+        """No more output: the writer ends once the queue is written."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._chunks and not self._closed:
+                    self._cond.wait()
+                if not self._chunks:
+                    return
+                data = b"".join(self._chunks)
+                self._chunks.clear()
+            try:
+                self._write(data)
+            except (OSError, ValueError):
+                # a closed or broken pipe (`actorgrad launch ... | head`): drop the
+                # rest but keep the readers draining the ranks, so they never block
+                with self._cond:
+                    self._broken = True
+                    self._chunks.clear()
+                    self._pending = 0
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._pending -= len(data)
+                self._cond.notify_all()
+
+    def _write(self, data: bytes) -> None:
+        stream = self._stream
+        binary = getattr(stream, "buffer", None)
+        if binary is None:  # a text-only stream (a notebook's, a test's): decode
+            stream.write(data.decode("utf-8", errors="replace"))
+            stream.flush()
+            return
+        stream.flush()  # anything written through the text layer goes first
+        binary.write(data)
+        binary.flush()
+
+
+def forward(pipe: IO[bytes], prefix: bytes, sink: Sink) -> None:
+    """Copy ``pipe`` to ``sink`` until end of file, line by line with ``prefix``."""
+    fd = pipe.fileno()
+    partial = b""  # the unfinished line, not shown yet
+    shown = False  # whether the start of the unfinished line was already shown
+    try:
+        while True:
+            if partial:
+                ready, _, _ = select.select([fd], [], [], PARTIAL_AFTER_S)
+                if not ready:  # quiet for a while: show what there is of the line
+                    sink.put_line(pipe, prefix, partial, False)
+                    partial, shown = b"", True
+                    continue
+            data = os.read(fd, _READ_BYTES)
+            if not data:
+                break
+            data = partial + data
+            start = 0
+            while True:
+                ends = [i for i in (data.find(b"\n", start), data.find(b"\r", start)) if i >= 0]
+                if not ends:
+                    break
+                end = min(ends) + 1
+                sink.put_line(pipe, prefix, data[start:end], True)
+                start, shown = end, False
+            partial = data[start:]
+        if partial:
+            sink.put_line(pipe, prefix, partial + b"\n", True)
+        elif shown:
+            sink.put_line(pipe, prefix, b"\n", True)  # the rank ended mid-line
+    except (OSError, ValueError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
+def sinks(stdout: IO[str], stderr: IO[str]) -> tuple[Sink, Sink]:
+    """The sinks for the launcher's stdout and stderr: one shared when both are the
+    same file (a terminal, ``2>&1``), so their lines never split each other."""
+    out = Sink(stdout, "stdout")
+    return out, out if _same_file(stdout, stderr) else Sink(stderr, "stderr")
+
+
+def _same_file(a: IO[str], b: IO[str]) -> bool:
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):  # no file behind it (captured, a notebook)
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def wait_for_output(threads: list[threading.Thread], sinks: list[Sink], stop: Callable[[], bool],
+                    idle_s: float = 2.0) -> None:
+    """After the ranks exited: wait until their output is all written.
+
+    Waits as long as output is still queued (a slow reader of the launcher's stream
+    makes this slow, as it makes the ranks slow under any launcher). Gives up when
+    ``stop()`` says so, or after ``idle_s`` with nothing queued while a pipe stays
+    open (a process that left the rank's process group still holds it).
+    """
+    last = time.monotonic()
+    while any(t.is_alive() for t in threads) or not all(s.drained() for s in sinks):
+        if stop():
+            return
+        if not all(s.drained() for s in sinks):
+            last = time.monotonic()
+        elif time.monotonic() - last > idle_s:
+            return
+        time.sleep(0.02)
