@@ -153,23 +153,25 @@ class trace:  # noqa: N801 - used as `with ag.trace():`
     """
 
     def __enter__(self) -> trace:
-        self._was_enabled = get_worker().tracer.enabled  # nested blocks, RpcOptions(trace=True)
-        self._set(True)
+        self._change(+1)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._set(self._was_enabled)
+        self._change(-1)
 
-    def _set(self, enabled: bool) -> None:
+    def _change(self, by: int) -> None:
         import contextlib
 
         from .wire import Payload
 
         worker = get_worker()
-        worker.tracer.enabled = enabled
+        tracer = worker.tracer
+        count = max(tracer.open_blocks(worker.rank) + by, 0)
+        tracer.set_blocks(worker.rank, count)
+        message = Payload.dump(count)
         for rank in list(worker.peers):
             with contextlib.suppress(Exception):
-                worker.tell(rank, "trace.set", Payload.dump(enabled))
+                worker.tell(rank, "trace.set", message)
 
 
 async def export_trace(path: str) -> int:

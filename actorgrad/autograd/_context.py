@@ -398,7 +398,9 @@ class ContextActor(CallHooks):
     def debug_info(self) -> dict[str, int]:
         return {
             "num_autograd_contexts": len(self.contexts),
-            "num_current_backward_passes": sum(c.running_backwards for c in self.contexts.values()),
+            # as torch: contexts with a backward in progress here (one pass runs
+            # several jobs and waits here at once)
+            "num_current_backward_passes": sum(1 for c in self.contexts.values() if c.running_backwards),
             "num_send_entries": sum(len(c.sends) for c in self.contexts.values()),
             "num_recv_entries": sum(len(c.recvs) for c in self.contexts.values()),
         }

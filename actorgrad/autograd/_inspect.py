@@ -48,19 +48,19 @@ class DistGraph:
         workers = sorted({n["worker"] for n in self.nodes.values()})
         for i, worker in enumerate(workers):
             lines.append(f'  subgraph "cluster_{i}" {{')
-            lines.append(f'    label="{worker}"; style=rounded; color=gray;')
+            lines.append(f'    label="{_dot_text(worker)}"; style=rounded; color=gray;')
             for node_id, node in self.nodes.items():
                 if node["worker"] != worker:
                     continue
                 deps = f"\\n({node['deps']})" if node.get("deps") is not None else ""
                 lines.append(
-                    f'    "{node_id}" [label="{node["label"]}{deps}", shape={shapes[node["kind"]]}, '
-                    f'style=filled, fillcolor={colors[node["kind"]]}];'
+                    f'    "{_dot_text(node_id)}" [label="{_dot_text(node["label"])}{deps}", '
+                    f'shape={shapes[node["kind"]]}, style=filled, fillcolor={colors[node["kind"]]}];'
                 )
             lines.append("  }")
         for src, dst, kind in self.edges:
             style = ' [style=dashed, color=blue, label="rpc"]' if kind == "rpc" else ""
-            lines.append(f'  "{src}" -> "{dst}"{style};')
+            lines.append(f'  "{_dot_text(src)}" -> "{_dot_text(dst)}"{style};')
         lines.append("}")
         return "\n".join(lines)
 
@@ -71,6 +71,12 @@ class DistGraph:
             raise RuntimeError("Graphviz `dot` is not installed; use to_dot() and render elsewhere")
         subprocess.run([dot, f"-T{format}", "-o", path], input=self.to_dot().encode(), check=True)
         return path
+
+
+def _dot_text(text: str) -> str:
+    """``text`` for the inside of a DOT quoted string (worker names may hold quotes
+    and backslashes)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _message_label(message_id: int) -> str:
@@ -102,6 +108,21 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
     ids: dict[Any, str] = {}
     nodes: dict[str, dict[str, Any]] = {}
     edges: list[tuple[str, str, str]] = []
+    drawn_for: dict[Any, Any] = {}  # recv leaf node -> the identity function it stands for
+
+    def drawn(node: Any) -> Any:
+        shown = _past_recv_function(node)
+        if shown is not node:
+            drawn_for[shown] = node
+        return shown
+
+    def deps(node: Any) -> int | None:
+        count = plan.indegree.get(node)
+        identity = drawn_for.get(node)
+        if identity is None or count is None:
+            return count
+        # the edges into the identity, plus any straight into the leaf besides its own
+        return plan.indegree.get(identity, 0) + count - 1
 
     def node_id(node: Any) -> str:
         if node not in ids:
@@ -115,7 +136,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
             else:
                 label, kind = node.name(), "op"
             nodes[ids[node]] = {"worker": me, "label": label, "kind": kind,
-                                "deps": plan.indegree.get(node), "message": where[0] if where else None}
+                                "deps": deps(node), "message": where[0] if where else None}
         return ids[node]
 
     seen: set[Any] = set()
@@ -136,7 +157,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
                 continue
             else:
                 node = tensor.grad_fn or torch.autograd.graph.get_gradient_edge(tensor).node
-            node = _past_recv_function(node)
+            node = drawn(node)
             edges.append((start_id, node_id(node), "local"))
             if node not in seen:
                 seen.add(node)
@@ -146,7 +167,7 @@ def describe_local(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            child = _past_recv_function(child)
+            child = drawn(child)
             edges.append((node_id(node), node_id(child), "local"))
             if child not in seen:
                 seen.add(child)
@@ -229,7 +250,9 @@ async def _collect(worker: Worker, context_id: int, roots: Sequence[torch.Tensor
             *(worker.call(r, _TARGET, Payload.dump(context_id)) for r in ranks), return_exceptions=True
         )
         for rank, reply in zip(ranks, replies, strict=True):
-            parts[rank] = reply.load() if not isinstance(reply, BaseException) else {"nodes": {}, "edges": [], "peers": []}
+            if isinstance(reply, BaseException):
+                raise reply  # a graph missing a worker's share would look whole
+            parts[rank] = reply.load()
         frontier = {p for part in parts.values() for p in part["peers"]} - set(parts)
     by_message: dict[int, dict[str, list[str]]] = {}
     for part in parts.values():

@@ -21,20 +21,40 @@ def now_us() -> float:
 
 
 class Tracer:
-    """Collects events while enabled; cheap no-ops otherwise."""
+    """Collects events while enabled; cheap no-ops otherwise.
+
+    Recording is on for the whole run (``RpcOptions(trace=True)``, ``ACTORGRAD_TRACE``)
+    or while any ``ag.trace()`` block is open on any worker: each worker tells the
+    others how many it has open, so blocks nest and overlap (concurrent tasks, one
+    block object entered twice) and recording stops when the last one ends.
+    """
 
     def __init__(self, rank: int, name: str, enabled: bool = False) -> None:
         self.rank = rank
         self.name = name
-        self.enabled = enabled or bool(os.environ.get("ACTORGRAD_TRACE"))
+        self.always = enabled or bool(os.environ.get("ACTORGRAD_TRACE"))
+        self.enabled = self.always
+        self._blocks: dict[int, int] = {}  # rank -> trace blocks open there
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
+    def open_blocks(self, rank: int) -> int:
+        return self._blocks.get(rank, 0)
+
+    def set_blocks(self, rank: int, count: int) -> None:
+        """``rank`` has ``count`` trace blocks open (0 also for a worker that is gone)."""
+        if count > 0:
+            self._blocks[rank] = count
+        else:
+            self._blocks.pop(rank, None)
+        self.enabled = self.always or bool(self._blocks)
+
     def complete(self, name: str, cat: str, start_us: float, args: dict[str, Any] | None = None) -> None:
-        """A span from ``start_us`` until now."""
-        if self.enabled:
-            self._add({"name": name, "cat": cat, "ph": "X", "ts": start_us,
-                       "dur": max(now_us() - start_us, 0.01), "args": args or {}})
+        """A span from ``start_us`` until now. Recorded whether or not recording is
+        still on: the caller checked when the span began (a call made inside a trace
+        block and answered after it is recorded)."""
+        self._add({"name": name, "cat": cat, "ph": "X", "ts": start_us,
+                   "dur": max(now_us() - start_us, 0.01), "args": args or {}})
 
     def instant(self, name: str, cat: str, args: dict[str, Any] | None = None) -> None:
         if self.enabled:
@@ -42,6 +62,9 @@ class Tracer:
 
     @contextmanager
     def span(self, name: str, cat: str, args: dict[str, Any] | None = None) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
         start = now_us()
         try:
             yield
@@ -64,3 +87,44 @@ class Tracer:
         meta = {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                 "args": {"name": f"{self.name} (rank {self.rank})"}}
         return [meta, *events]
+
+
+def in_lanes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``events`` with overlapping spans of one thread moved to lanes of their own.
+
+    Spans on one thread (pid, tid) must nest for Perfetto and chrome://tracing, but
+    the event loop's thread runs many calls at once: two concurrent calls overlap
+    without nesting. Each span keeps the first lane (lane 0: the thread's own tid)
+    where it nests; lanes beyond get a tid of their own, named after the thread.
+    """
+    spans: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for event in events:
+        if event.get("ph") == "X":
+            spans.setdefault((event["pid"], event["tid"]), []).append(event)
+    extra: list[dict[str, Any]] = []
+    for (pid, tid), group in spans.items():
+        group.sort(key=lambda e: (e["ts"], -e["dur"]))
+        lanes: list[list[float]] = []  # per lane, the ends of the spans open there
+        for event in group:
+            start, end = event["ts"], event["ts"] + event["dur"]
+            number = _lane_for(lanes, start, end)
+            if number == len(lanes):
+                lanes.append([])
+                if number and isinstance(tid, int):
+                    extra.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid + number * 100_000,
+                                  "args": {"name": f"thread {tid}, concurrent {number}"}})
+            lanes[number].append(end)
+            if number and isinstance(tid, int):
+                event["tid"] = tid + number * 100_000
+    return events + extra
+
+
+def _lane_for(lanes: list[list[float]], start: float, end: float) -> int:
+    """The first lane where a span from ``start`` to ``end`` nests (``len(lanes)``:
+    none does). Spans come in order of start, so those ended by ``start`` are closed."""
+    for number, open_ends in enumerate(lanes):
+        while open_ends and open_ends[-1] <= start:
+            open_ends.pop()
+        if not open_ends or end <= open_ends[-1]:
+            return number
+    return len(lanes)

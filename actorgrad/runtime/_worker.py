@@ -53,7 +53,7 @@ from ._calls import CallFuture, PendingCalls, check_timeout
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool, raised_in_pool
 from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
-from ._trace import Tracer, now_us
+from ._trace import Tracer, in_lanes, now_us
 from ._transport import LoopbackPeer, PeerProtocol
 
 log = logging.getLogger("actorgrad")
@@ -540,7 +540,8 @@ class Worker:
                 self.flush_corked()
 
     def _on_trace_set(self, peer: PeerProtocol, payload: Payload) -> None:
-        self.tracer.enabled = bool(payload.load())
+        if peer.rank is not None:
+            self.tracer.set_blocks(peer.rank, int(payload.load()))
 
     def _serve_call(self, peer: PeerProtocol, msg: Call) -> None:
         if self.tracer.enabled:
@@ -569,14 +570,17 @@ class Worker:
             self._reply(peer, msg.request_id, reply)
         elif reply is not None:
             task = self.loop.create_task(
-                self._finish_call(peer, msg.request_id, reply), context=self._context.copy()
+                self._finish_call(peer, msg.request_id, reply, self.tracer.enabled), context=self._context.copy()
             )
             if inspect.iscoroutine(reply):  # cancelled before it started: close it quietly
                 task.add_done_callback(functools.partial(_close_unstarted, reply))
             peer.serving[msg.request_id] = task
 
-    async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None]) -> None:
-        start = now_us() if self.tracer.enabled else 0.0
+    async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None],
+                           traced: bool) -> None:
+        # traced: recording was on when the call arrived (a trace block may end
+        # before this task starts)
+        start = now_us() if traced else 0.0
         task = asyncio.current_task()
         interrupted: KeyboardInterrupt | None = None
         try:
@@ -733,6 +737,7 @@ class Worker:
         if proto.rank is None or self.peers.get(proto.rank) is not proto:
             return
         del self.peers[proto.rank]
+        self.tracer.set_blocks(proto.rank, 0)  # its trace blocks will never end
         name = proto.name or f"rank {proto.rank}"
         # A peer that said goodbye, or that told us it is done while we shut down, or
         # that we are closing on: an orderly end. One that vanished without either while
@@ -797,6 +802,7 @@ class Worker:
             for reply in await asyncio.gather(*replies, return_exceptions=True):
                 if not isinstance(reply, BaseException):
                     events.extend(reply.load())
+            events = in_lanes(events)
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
         return len(events)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 
+import pytest
 import torch
 
 import actorgrad as ag
@@ -40,7 +43,7 @@ async def test_trace_records_rpc_and_backward_on_every_worker(group3, tmp_path) 
         assert {"name", "ph", "pid", "tid"} <= event.keys()
         if event["ph"] == "X":
             assert isinstance(event["ts"], float) and event["dur"] > 0
-    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {0: "worker0 (rank 0)", 1: "worker1 (rank 1)", 2: "worker2 (rank 2)"}
     by_worker = {r: {e["name"] for e in events if e["pid"] == r and e["ph"] != "M"} for r in range(3)}
     assert "call rpc.call" in by_worker[0]
@@ -125,3 +128,154 @@ async def test_export_to_a_bad_path_loses_nothing_and_exports_repeat(group2, tmp
     served = [e for e in json.loads((tmp_path / "b.json").read_text())["traceEvents"]
               if e["pid"] == 1 and e["name"] == "serve rpc.call"]
     assert len(served) == 3
+
+
+# -- review: graphs whose shares fail, DOT quoting, recv dependencies ------------------
+_KEPT: dict[str, torch.Tensor] = {}
+
+
+def keep(x: torch.Tensor) -> torch.Tensor:
+    _KEPT["x"] = x  # a tensor received in one context...
+    return x * 1
+
+
+def use_kept() -> torch.Tensor:
+    return _KEPT["x"] * 2  # ...reached from another one
+
+
+async def test_graph_raises_when_a_worker_cannot_describe_its_share(group2) -> None:  # type: ignore[no-untyped-def]
+    """A worker whose share fails makes graph() raise, as the backward does: a graph
+    without that worker's share would look whole."""
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context():
+        await ag.rpc_async("worker1", keep, args=(x,))
+        async with ag.autograd.context() as inner:
+            y = await ag.rpc_async("worker1", use_kept)
+            with pytest.raises(ag.RemoteError, match="ContextError"):
+                await ag.autograd.graph(inner, roots=[y.sum()])
+            with pytest.raises(ag.RemoteError, match="ContextError"):
+                await ag.autograd.backward(inner, [y.sum()])
+    await ag.rpc_async("worker1", _KEPT.clear)
+
+
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + torch.sin(x)  # the received x feeds two operations
+
+
+async def test_a_recv_used_twice_counts_two_dependencies(group2) -> None:  # type: ignore[no-untyped-def]
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        y = await ag.rpc_async("worker1", twice, args=(x,))
+        graph = await ag.autograd.graph(cid, roots=[y.sum()])
+    (recv,) = [(nid, n) for nid, n in graph.nodes.items() if n["kind"] == "recv" and n["worker"] == "worker1"]
+    into = sum(1 for _, dst, kind in graph.edges if dst == recv[0] and kind == "local")
+    assert recv[1]["deps"] == into == 2
+
+
+def test_dot_quotes_names_with_quotes_and_backslashes() -> None:
+    from actorgrad.autograd._inspect import DistGraph
+
+    names = ['trainer "A"', "ps\\"]
+    graph = DistGraph(7)
+    for i, name in enumerate(names):
+        graph.nodes[f"{name}:0"] = {"worker": name, "label": f'leaf "{i}"', "kind": "leaf", "deps": 1}
+    graph.edges.append((f"{names[0]}:0", f"{names[1]}:0", "rpc"))
+    dot = graph.to_dot()
+    quoted = [re.sub(r"\\(.)", r"\1", q) for q in re.findall(r'"((?:[^"\\]|\\.)*)"', dot)]
+    # every quote closes where it should: what the quoted strings say are the names
+    for name in names:
+        assert name in quoted and f"{name}:0" in quoted
+    assert 'leaf "0"n(1)' in quoted  # the label, then the dependency count on a new line
+    for line in dot.splitlines():
+        assert len(re.sub(r'"(?:[^"\\]|\\.)*"', "", line).split('"')) == 1, line
+
+
+# -- review: what a trace block records -------------------------------------------------
+def slow_add(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.05)
+    return x + 1
+
+
+def tracing_on() -> bool:
+    from actorgrad.runtime import get_worker
+
+    return get_worker().tracer.enabled
+
+
+async def test_a_call_made_in_a_trace_block_is_recorded_when_answered_after_it(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with ag.trace():
+        fut = ag.rpc_async("worker1", slow_add, args=(torch.zeros(2),))
+    await fut
+    path = tmp_path / "trace.json"
+    await ag.export_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert [e["pid"] for e in events if e["name"] == "call rpc.call"] == [0]
+    assert [e["pid"] for e in events if e["name"] == "run remote function"] == [1]
+
+
+async def test_overlapping_trace_blocks_record_until_the_last_ends(group2) -> None:  # type: ignore[no-untyped-def]
+    first, second = ag.trace(), ag.trace()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert tracing_on() and await ag.rpc_async("worker1", tracing_on)  # second still open
+    second.__exit__(None, None, None)
+    assert not tracing_on() and not await ag.rpc_async("worker1", tracing_on)
+    block = ag.trace()
+    with block, block:  # one block object entered twice
+        pass
+    assert not tracing_on() and not await ag.rpc_async("worker1", tracing_on)
+
+
+async def test_concurrent_calls_nest_in_the_exported_trace(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Spans on one thread must nest (Perfetto refuses others); concurrent calls on
+    the event loop's thread overlap, so they go to lanes of their own."""
+    with ag.trace():
+        await asyncio.gather(*(ag.rpc_async("worker1", slow_add, args=(torch.zeros(2),)) for _ in range(3)))
+    path = tmp_path / "trace.json"
+    await ag.export_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(e["name"] == "call rpc.call" for e in events) == 3
+    assert sum(e["name"] == "run remote function" for e in events) == 3
+    tracks: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in tracks.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        open_ends: list[float] = []
+        for start, end in spans:
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1], "spans on one thread overlap without nesting"
+            open_ends.append(end)
+
+
+# -- review: debug_info counts backward passes, not the jobs of one ---------------------
+_SEEN_PASSES: list[int] = []
+
+
+class _CountPasses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        _SEEN_PASSES.append(ag.autograd.debug_info()["num_current_backward_passes"])
+        return grad
+
+
+async def _back_to_worker0(x: torch.Tensor) -> torch.Tensor:
+    return await ag.rpc_async("worker0", torch.mul, args=(x, 3.0))
+
+
+async def test_one_backward_pass_counts_once_while_it_runs(group2) -> None:  # type: ignore[no-untyped-def]
+    """x -> worker1 -> worker0 -> worker1: worker0 runs a job of the pass while it
+    also waits for the pass it started; torch counts one pass per context."""
+    _SEEN_PASSES.clear()
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        y = await ag.rpc_async("worker1", _back_to_worker0, args=(_CountPasses.apply(x),))
+        await ag.autograd.backward(cid, [y.sum()])
+    assert _SEEN_PASSES == [1]
