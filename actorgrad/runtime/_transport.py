@@ -37,9 +37,9 @@ _CORK_MAX_FRAMES = 32
 class PeerProtocol(asyncio.BufferedProtocol):
     """A connection to one peer; after the handshake it *is* the peer for the worker."""
 
-    def __init__(self, worker: Worker, initiator: bool = False) -> None:
+    def __init__(self, worker: Worker, initiator: bool = False, endpoint: str = "") -> None:
         self.worker = worker
-        self.conn: Connection = worker.new_connection(initiator)
+        self.conn: Connection = worker.new_connection(initiator, endpoint)
         self.transport: asyncio.Transport | None = None
         self.name: str | None = None
         self.rank: int | None = None
@@ -90,7 +90,8 @@ class PeerProtocol(asyncio.BufferedProtocol):
         conn = self.conn
         conn.buffer_updated(nbytes)
         worker = self.worker
-        worker.keep_hot()
+        if not self._handshaking:  # no polling for a peer not known yet: anyone can connect
+            worker.keep_hot()
         worker.corking += 1  # replies to everything this read brought leave together
         try:
             if self._handshaking:

@@ -47,6 +47,8 @@ from ..wire import (
     Payload,
     Result,
     Tell,
+    tcp_endpoint,
+    unix_endpoint,
 )
 from . import _current, _local
 from ._calls import CallFuture, PendingCalls, check_timeout
@@ -149,6 +151,8 @@ class Worker:
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
         self._server: asyncio.Server | None = None
         self._local_server: asyncio.Server | None = None
+        self._tcp_endpoint = ""  # what peers dial to reach us (bound by the handshake)
+        self._unix_endpoint = ""
         self._store: Store | None = None
         self._store_server: StoreServer | None = None
         self._connections: set[PeerProtocol] = set()
@@ -233,7 +237,7 @@ class Worker:
                 "here; set ACTORGRAD_AUTH_KEY (actorgrad launch, local_group and in-process "
                 "groups make one)", self.name)
         self._server = await self.loop.create_server(
-            lambda: self._accept(),
+            lambda: self._accept(endpoint=self._tcp_endpoint),
             opts.listen_host,
             opts.listen_port,
             ssl=opts.ssl_context,
@@ -243,12 +247,15 @@ class Worker:
         listen_port = self._server.sockets[0].getsockname()[1]
         local = None
         if opts.local_sockets and opts.ssl_context is None:
-            local = await _local.listen(self.loop, self._accept)
+            local = await _local.listen(self.loop, lambda: self._accept(endpoint=self._unix_endpoint))
             if local is not None:
                 self._local_server = local[0]
+                self._unix_endpoint = unix_endpoint(local[1])
         advertise = opts.advertise_host or opts.listen_host
         if advertise in ("0.0.0.0", "::", ""):
             advertise = host if scheme == "tcp" else socket.gethostname()
+        # what we publish is what peers dial: the handshake binds it (see _connection)
+        self._tcp_endpoint = tcp_endpoint(advertise, listen_port)
         try:
             if scheme == "tcp":
                 if self.rank == 0:
@@ -327,13 +334,15 @@ class Worker:
         (see ``_local``), else (or when that fails) over TCP."""
         proto = None
         if self._local_server is not None and isinstance(local, list) and len(local) == 2:
-            proto = await _local.connect(self.loop, lambda: self._accept(initiator=True), *local)
+            endpoint = unix_endpoint(str(local[0]))
+            proto = await _local.connect(self.loop, lambda: self._accept(True, endpoint), *local)
         delay = 0.01
+        endpoint = tcp_endpoint(address[0], address[1])
         while proto is None:
             try:
                 client_tls = self.options.ssl_client_context
                 _, proto = await self.loop.create_connection(
-                    lambda: self._accept(initiator=True), address[0], address[1], ssl=client_tls,
+                    lambda: self._accept(True, endpoint), address[0], address[1], ssl=client_tls,
                     server_hostname=address[0] if client_tls else None,
                 )
                 break
@@ -342,8 +351,10 @@ class Worker:
                 delay = min(delay * 2, 0.2)
         await proto.established
 
-    def _accept(self, initiator: bool = False) -> PeerProtocol:
-        proto = PeerProtocol(self, initiator)
+    def _accept(self, initiator: bool = False, endpoint: str = "") -> PeerProtocol:
+        """A protocol for a new connection; ``endpoint``: the accepting side's (the one
+        dialed, or ours), which the handshake binds."""
+        proto = PeerProtocol(self, initiator, endpoint)
         self._connections.add(proto)
         # An unauthenticated connection gets a bounded time to finish the handshake.
         proto.handshake_timer = self.loop.call_later(self.options.init_timeout, self._handshake_deadline, proto)
@@ -353,10 +364,10 @@ class Worker:
         if not proto.established.done():
             proto.abort(ProtocolError("handshake not completed in time"))
 
-    def new_connection(self, initiator: bool = False) -> Connection:
+    def new_connection(self, initiator: bool = False, endpoint: str = "") -> Connection:
         return Connection(
             name=self.name, rank=self.rank, auth_key=self.auth_key,
-            max_frame_size=self.options.max_frame_size, initiator=initiator,
+            max_frame_size=self.options.max_frame_size, initiator=initiator, endpoint=endpoint,
         )
 
     def on_established(self, proto: PeerProtocol, event: Established) -> None:

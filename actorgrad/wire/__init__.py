@@ -7,6 +7,8 @@ from ._connection import Connection as Connection
 from ._connection import Established as Established
 from ._connection import State as State
 from ._connection import decode_frame as decode_frame
+from ._connection import tcp_endpoint as tcp_endpoint
+from ._connection import unix_endpoint as unix_endpoint
 from ._frames import DEFAULT_MAX_BUFFERS as DEFAULT_MAX_BUFFERS
 from ._frames import DEFAULT_MAX_FRAME_SIZE as DEFAULT_MAX_FRAME_SIZE
 from ._frames import PROTOCOL_VERSION as PROTOCOL_VERSION

@@ -13,9 +13,12 @@
 Both sides send Hello first, so authentication is mutual: each side proves it holds
 the key over the other side's fresh nonce (HMAC-SHA256, as multiprocessing.connection
 does). The proof also binds the prover's role (the side that opened the connection or
-the side that accepted it), its own nonce and both names, and each side only accepts a
-proof made in the opposite role: a proof obtained from one connection cannot be relayed
-into another, nor reflected back. No data frame is decoded before the handshake completes, so an unauthenticated
+the side that accepted it), its own nonce, both names and the accepting side's endpoint
+as each side knows it (the address the opener dialed; the one the acceptor published
+and accepted it on), and each side only accepts a proof made in the opposite role: a
+proof obtained from one connection cannot be relayed into another, nor reflected back,
+and a go-between that passes a whole handshake through from an address of its own
+(say, after rewriting a rendezvous entry) fails it on both sides. No data frame is decoded before the handshake completes, so an unauthenticated
 peer can never make us unpickle anything.
 """
 
@@ -77,11 +80,21 @@ class Established:
         self.peer_rank = peer_rank
 
 
+def tcp_endpoint(host: str, port: int) -> str:
+    """The endpoint of a worker's TCP listener, as the handshake binds it."""
+    return f"tcp {host} {port}"
+
+
+def unix_endpoint(name: str) -> str:
+    """The endpoint of a worker's (abstract) Unix socket listener."""
+    return f"unix {name}"
+
+
 def _proof(key: bytes, prover_is_initiator: bool, verifier_nonce: bytes, prover_nonce: bytes,
-           prover: str, verifier: str) -> bytes:
+           prover: str, verifier: str, endpoint: str) -> bytes:
     role = b"I" if prover_is_initiator else b"A"
     message = b"".join([_AUTH_DOMAIN, role, verifier_nonce, prover_nonce,
-                        prover.encode(), b"\0", verifier.encode()])
+                        prover.encode(), b"\0", verifier.encode(), b"\0", endpoint.encode()])
     return hmac.new(key, message, "sha256").digest()
 
 
@@ -175,9 +188,13 @@ class Connection:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_buffers: int = DEFAULT_MAX_BUFFERS,
         initiator: bool = False,
+        endpoint: str = "",
     ) -> None:
         self.name = name
         self.initiator = initiator  # True on the side that opened the connection
+        # the accepting side's endpoint (see tcp_endpoint): dialed by the opener,
+        # published by the acceptor; both must be the same for the proofs to match
+        self.endpoint = endpoint
         self.rank = rank
         self.auth_key = auth_key
         self.state = State.HANDSHAKE
@@ -250,7 +267,7 @@ class Connection:
             self.peer_name, self.peer_rank = msg.name, msg.rank
             self._peer_nonce = msg.nonce
             digest = (
-                _proof(self.auth_key, self.initiator, msg.nonce, self._nonce, self.name, msg.name)
+                _proof(self.auth_key, self.initiator, msg.nonce, self._nonce, self.name, msg.name, self.endpoint)
                 if self.auth_key else b""
             )
             self._outbox.extend(_encode(Auth(digest=digest)))
@@ -268,11 +285,13 @@ class Connection:
                     f"peer {self.peer_name!r} sent no proof of the auth_key this worker requires"
                 )
             elif not hmac.compare_digest(msg.digest, _proof(
-                self.auth_key, not self.initiator, self._nonce, self._peer_nonce, self.peer_name, self.name
+                self.auth_key, not self.initiator, self._nonce, self._peer_nonce, self.peer_name, self.name,
+                self.endpoint,
             )):
                 raise AuthenticationError(
-                    f"peer {self.peer_name!r} failed the key check (a different auth_key, or a "
-                    "proof taken from another connection)"
+                    f"peer {self.peer_name!r} failed the key check (a different auth_key, a "
+                    "proof taken from another connection, or a connection passed on from another "
+                    f"address than {self.endpoint or 'the one dialed'})"
                 )
             self.state = State.ESTABLISHED
             self._decoder.lift_restriction()

@@ -22,7 +22,7 @@ import torch
 
 import actorgrad as ag
 from actorgrad.testing import InProcessGroup, free_port
-from actorgrad.wire import Call, Connection, Established, Kind, Payload
+from actorgrad.wire import Call, Connection, Established, Kind, Payload, tcp_endpoint
 from actorgrad.wire._connection import _encode
 from actorgrad.wire._frames import HEADER, MAGIC, PROTOCOL_VERSION
 
@@ -71,11 +71,12 @@ def tripwire_call(tag: str) -> bytes:
     return _join(_encode(Call(request_id=1, target="rpc.call", payload=payload)))
 
 
-def client_connection(name: str, rank: int, key: bytes | None) -> Connection:
-    """Our side of a raw connection that *we* open (the initiator role, where the
-    handshake distinguishes roles)."""
+def client_connection(name: str, rank: int, key: bytes | None, port: int = 0) -> Connection:
+    """Our side of a raw connection that *we* open to a worker's TCP ``port`` (the
+    initiator role; the handshake binds the address dialed)."""
     if "initiator" in inspect.signature(Connection).parameters:
-        return Connection(name=name, rank=rank, auth_key=key, initiator=True)
+        return Connection(name=name, rank=rank, auth_key=key, initiator=True,
+                          endpoint=tcp_endpoint("127.0.0.1", port))
     return Connection(name=name, rank=rank, auth_key=key)
 
 
@@ -107,7 +108,7 @@ async def handshake(
     """Run our side of the handshake with a raw Connection; send ``after_auth`` right
     behind our AUTH frame. Returns (we saw Established, seconds until the worker closed)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    conn = client_connection(name, rank, key)
+    conn = client_connection(name, rank, key, port)
     established = False
     try:
         writer.write(_join(conn.data_to_send()))
@@ -445,10 +446,11 @@ async def test_connection_without_key_is_rejected(make_group):
 async def test_authenticated_but_unexpected_peer_gets_nothing_unpickled(make_group, name, rank):
     group = await make_group(2, ag.RpcOptions(auth_key=b"k"))
     tag = f"unexpected-{name}-{time.monotonic()}"
-    _, closed = await handshake(
+    established, closed = await handshake(
         port_of(group.workers[1]), name=name, rank=rank, key=b"k", after_auth=tripwire_call(tag)
     )
-    assert closed is not None and closed < 2  # the worker rejects the peer...
+    assert established  # it holds the key...
+    assert closed is not None and closed < 2  # ...yet the worker rejects the peer...
     await asyncio.sleep(0.05)
     await assert_still_serves(group)
     assert tag not in UNPICKLED  # ...and must not act on what it sent

@@ -329,3 +329,40 @@ def test_hostile_pickle_is_not_unpickled_by_the_connection():
     assert isinstance(call, Call) and call.target == "handler"
     assert bytes(call.payload.body) == EVIL_PICKLE
     assert not hasattr(builtins, FLAG)
+
+
+def _pass_through(a: Connection, b: Connection) -> list[BaseException]:
+    """Carry bytes both ways unchanged until neither side has more; the errors seen."""
+    errors: list[BaseException] = []
+    for _ in range(8):
+        moved = False
+        for src, dst in ((a, b), (b, a)):
+            if out := flatten(src.data_to_send()):
+                moved = True
+                dst.receive_data(out)
+                try:
+                    while dst.next_event() is not None:
+                        pass
+                except (AuthenticationError, ProtocolError) as exc:
+                    errors.append(exc)
+        if not moved:
+            break
+    return errors
+
+
+def test_a_handshake_passed_through_from_another_address_fails_on_both_sides():
+    """A go-between that got a worker to dial its own address (a rewritten rendezvous
+    entry) and passes every byte on to the real worker: the proofs bind the address
+    each side knows, so neither side authenticates the other."""
+    key = b"group key"
+    dialer = Connection(name="worker1", rank=1, auth_key=key, initiator=True, endpoint="tcp 127.0.0.1 4000")
+    server = Connection(name="worker0", rank=0, auth_key=key, endpoint="tcp 127.0.0.1 5000")
+    errors = _pass_through(dialer, server)
+    assert len(errors) == 2 and all(isinstance(e, AuthenticationError) for e in errors)
+    assert "passed on from another address" in str(errors[0])
+    assert dialer.state is not State.ESTABLISHED and server.state is not State.ESTABLISHED
+    # the same endpoint on both sides: the handshake completes
+    dialer = Connection(name="worker1", rank=1, auth_key=key, initiator=True, endpoint="tcp 127.0.0.1 5000")
+    server = Connection(name="worker0", rank=0, auth_key=key, endpoint="tcp 127.0.0.1 5000")
+    assert _pass_through(dialer, server) == []
+    assert dialer.state is State.ESTABLISHED and server.state is State.ESTABLISHED
