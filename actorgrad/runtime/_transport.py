@@ -194,7 +194,8 @@ class PeerProtocol(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing():
             return
         self.last_sent = time.monotonic()
-        self.worker.keep_hot()
+        if not self._handshaking:  # (our HELLO to whoever connected: no polling either)
+            self.worker.keep_hot()
         if _TEST_DELAY:
             self._write_later(pieces)
             return

@@ -980,3 +980,23 @@ async def test_a_call_to_a_tell_only_target_is_refused_at_once(make_group):
         await asyncio.wait_for(w0.call(1, "no.such.target", Payload.dump(None), 30), 10)
     assert time.monotonic() - started < 5
     assert await ag.rpc_async("worker1", torch.add, args=(1, 2)) == 3
+
+
+async def test_reads_before_the_handshake_do_not_make_the_worker_poll(group2):
+    """Anyone on the host can connect: bytes of a handshake still in progress must not
+    keep the worker's loop polling (one byte per read made it spin most of a core)."""
+    worker = group2.workers[1]
+    hello = _join(client_connection("stranger", 0, None).data_to_send())
+    await asyncio.sleep(0.05)  # past any polling from the group's own start
+    hot_until = worker._hot_until
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(worker))
+    try:
+        for byte in hello[:20]:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        assert worker._hot_until == hot_until
+        await ag.rpc_async("worker1", torch.neg, args=(torch.ones(1),))  # a peer's call does
+        assert worker._hot_until > hot_until
+    finally:
+        writer.close()
