@@ -464,6 +464,18 @@ class Worker:
         else:
             self._reply(peer, request_id, result)
 
+    def _answered_by_callee(self, peer: PeerProtocol, request_id: int) -> bool:
+        """Whether ``peer`` may answer our call ``request_id``: only the worker it was
+        made to does, or this one (a duty to answer moves only to those, see
+        :meth:`answer`). Another peer's answer would stand in for the real one, which
+        would then be dropped: that peer breaks the protocol and is dropped instead."""
+        future = self._pending.futures.get(request_id)
+        if future is None or future.peer is peer or peer is self._loopback:
+            return True
+        peer.abort(ProtocolError(
+            f"{peer.name} answered request {request_id}, which {self.name} made to {future.peer.name}"))
+        return False
+
     def _reply(self, peer: PeerProtocol, request_id: int, payload: Payload) -> Message:
         """Send the result of a call; one the connection refuses (larger than
         max_frame_size) fails the call instead, and the connection stays up."""
@@ -510,9 +522,10 @@ class Worker:
                 else:
                     self._serve_tell(peer, msg)
             elif isinstance(msg, Result):
-                self._pending.resolve(msg.request_id, msg.payload)
+                if self._answered_by_callee(peer, msg.request_id):
+                    self._pending.resolve(msg.request_id, msg.payload)
             elif isinstance(msg, Failure):
-                if msg.request_id in self._pending.futures:
+                if msg.request_id in self._pending.futures and self._answered_by_callee(peer, msg.request_id):
                     self._pending.fail(msg.request_id, self._remote_error(peer, msg.payload))
             elif isinstance(msg, Cancel):
                 task = peer.serving.pop(msg.request_id, None)

@@ -1000,3 +1000,27 @@ async def test_reads_before_the_handshake_do_not_make_the_worker_poll(group2):
         assert worker._hot_until > hot_until
     finally:
         writer.close()
+
+
+async def _slow_neg(x: torch.Tensor) -> torch.Tensor:
+    await asyncio.sleep(0.3)
+    return -x
+
+
+async def test_an_answer_from_a_worker_not_called_is_refused(group3):
+    """worker1 answers a call worker0 made to worker2: its answer must not stand in
+    for worker2's (which was then dropped); worker1 broke the protocol and is dropped."""
+    from actorgrad.wire import Result
+
+    worker0, worker1, _ = group3.workers
+    x = torch.randn(3)
+    call = asyncio.ensure_future(ag.rpc_async("worker2", _slow_neg, args=(x,)))
+    await asyncio.sleep(0.05)
+    (request_id,) = [r for r, f in worker0._pending.futures.items() if f.peer.name == "worker2"]
+    worker1.peers[0].send(Result(request_id=request_id, payload=Payload.dump(torch.zeros(3))))
+    assert torch.equal(await asyncio.wait_for(call, 5), -x)
+    for _ in range(100):
+        if 1 not in worker0.peers:
+            break
+        await asyncio.sleep(0.01)
+    assert 1 not in worker0.peers  # dropped for answering what it was not asked
