@@ -148,7 +148,7 @@ class ArenaChannel:
                 st.arena = None
         o = self.actor.tiny_tcp(st.group, seq, sig, work, op, after, extra)
         o.future.add_done_callback(lambda f: self._attach(st, o))
-        return o.future
+        return self._detached(o.future)
 
     def _attach(self, st: _GroupArena, o: TinyAllReduce) -> None:
         if not st.offered.done():
@@ -164,7 +164,16 @@ class ArenaChannel:
         flag = 1 if st.arena is not None else 0
         o = self.actor.tiny_tcp(st.group, seq, sig, work, op, after, flag)
         o.future.add_done_callback(lambda f: self._decide(st, o, flag))
-        return o.future
+        return self._detached(o.future)
+
+    def _detached(self, fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """What the caller of a negotiating all-reduce awaits: a caller that gives up
+        (a timeout cancels what it awaits) must not cancel the operation's own future,
+        which the decision reads: the operation goes on, as every collective does, and
+        this rank decides on its outcome alike with the others."""
+        outer: asyncio.Future[Any] = self.loop.create_future()
+        fut.add_done_callback(lambda f: _copy(f, outer))
+        return outer
 
     def _decide(self, st: _GroupArena, o: TinyAllReduce, flag: int) -> None:
         if st.decided.done():

@@ -171,6 +171,36 @@ async def test_an_operation_started_as_the_negotiation_ends_waits_behind_older_o
         assert values == [float(1 + 20 * k) for k in range(SLOTS + 3)]
 
 
+@pytest.mark.parametrize("which", [0, 1])
+async def test_a_rank_that_stops_waiting_during_the_negotiation_decides_alike(make_group: Any, which: int) -> None:
+    """Rank 0 gives up waiting (a timeout) on one of the two negotiating all-reduces;
+    the operation goes on, and rank 0 must come to the same arena decision as the
+    others (it took the cancelled wait for a failure: the group's small all-reduces
+    went over the connections on rank 0 and into the arena elsewhere, for good)."""
+    group: InProcessGroup = await make_group(3)
+
+    async def body(rank: int) -> list[float]:
+        for k in range(WARM_UP):
+            t = torch.tensor([float(rank)])
+            if k == which and rank == 0:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(C.all_reduce(t), 0.1)
+            else:
+                if k == which:
+                    await asyncio.sleep(0.4)
+                await C.all_reduce(t)
+        await asyncio.sleep(0.2)
+        out = []
+        for k in range(3):
+            t = torch.tensor([float(rank + k)])
+            await asyncio.wait_for(C.all_reduce(t), 5)
+            out.append(t.item())
+        return out
+
+    assert await run_all(group, body) == [[3.0, 6.0, 9.0]] * 3
+    assert len({actor(w).arenas.active(0) for w in group.workers}) == 1
+
+
 async def test_a_member_without_the_arena_keeps_everyone_on_the_connections(make_group: Any) -> None:
     group: InProcessGroup = await make_group(3)
     actor(group.workers[1]).arenas.enabled = False
