@@ -58,6 +58,8 @@ class TorchBackend:
         self.timeout = datetime.timedelta(seconds=timeout if timeout > 0 else 1800.0)
         self.host = host
         self.pgs: dict[int, asyncio.Future[PG]] = {}
+        # per group, the operations called while its pg was being made, in call order
+        self._queued: dict[int, list[Callable[[], None]]] = {}
         self.closed = False
 
     # -- process groups -----------------------------------------------------------------
@@ -144,11 +146,22 @@ class TorchBackend:
 
             fut.add_done_callback(done)
 
-        if pg_future.done():
+        queued = self._queued.get(group.id)
+        if pg_future.done() and queued is None:
             start()
+        elif queued is not None:
+            queued.append(start)
         else:
-            pg_future.add_done_callback(start)
+            # issued in call order once the pg exists: an operation called in the loop
+            # turn between the pg's arrival and a per-operation callback would see it
+            # done and go first, and gloo pairs operations by their order on each rank
+            self._queued[group.id] = [start]
+            pg_future.add_done_callback(lambda _: self._issue_queued(group.id))
         return result
+
+    def _issue_queued(self, gid: int) -> None:
+        for start in self._queued.pop(gid, ()):
+            start()
 
     # -- the API ------------------------------------------------------------------------
     def all_reduce(self, group: Group, t: torch.Tensor, op: ReduceOp) -> asyncio.Future[Any]:

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 import actorgrad.collective as C
 from actorgrad.collective import ReduceOp, _cma
+from actorgrad.collective._actor import actor
 from actorgrad.testing import InProcessGroup
 
 N = 4
@@ -411,3 +412,31 @@ async def test_async_op_work(world4: InProcessGroup) -> None:
 
     for t in await run_all(world4, body):
         assert t.tolist() == [6.0] * 4
+
+
+async def test_operations_called_while_a_group_is_made_keep_their_order(world4: InProcessGroup, backend: str) -> None:
+    """On a fresh group, rank 0 calls its second all-reduce in the very loop turn in
+    which the group's backend became ready (the first was called before): it must not
+    go first (with gloo's process group it did, and the sums paired the wrong tensors)."""
+
+    async def body(rank: int) -> tuple[list[float], list[float]]:
+        g = C.new_group([0, 1])
+        if rank > 1:
+            return [], []
+        a = torch.full((4,), 1.0 + rank)
+        b = torch.full((4,), 100.0 * (rank + 1))
+
+        async def second() -> None:
+            if rank == 0 and backend == "gloo":
+                made = actor().torch.pgs[g.id]
+                while not made.done():  # noqa: ASYNC110 - wake in the turn the group became ready
+                    await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0.3)
+            await C.all_reduce(b, group=g)
+
+        await asyncio.gather(C.all_reduce(a, group=g), second())
+        return a.tolist(), b.tolist()
+
+    results = await run_all(world4, body)
+    assert results[:2] == [([3.0] * 4, [300.0] * 4)] * 2
