@@ -377,8 +377,10 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Gro
     ``object_list`` (same length) of every member."""
     if not isinstance(object_list, list):
         raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
-    act = actor()
-    g = _group(act, group)
+    act, member, _ = _prepare(group, "broadcast_object_list")
+    if member is None:
+        return  # not a member: the list stays as it is, as in torch
+    g = member
     if _backend is not None:
         g = Group(g.id, g.ranks, _backend)
     if act.worker.rank == src:
@@ -405,8 +407,10 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Gro
 async def all_gather_object(object_list: list[Any], obj: Any, group: Group | None = None) -> None:
     """Gather the picklable ``obj`` of every member into ``object_list`` (one slot per
     member, in group rank order)."""
-    act = actor()
-    g = _group(act, group)
+    _, member, _ = _prepare(group, "all_gather_object")
+    if member is None:
+        return  # not a member: the list stays as it is, as in torch
+    g = member
     n = len(g.ranks)
     if not isinstance(object_list, list) or len(object_list) != n:
         raise ValueError(f"all_gather_object: object_list must be a list of {n} slots")

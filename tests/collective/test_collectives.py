@@ -300,6 +300,31 @@ async def test_objects(world4: InProcessGroup) -> None:
         assert everyone == [("rank", r, "x" * r) for r in range(N)]
 
 
+async def test_objects_on_a_rank_outside_the_group_stay_as_they_are(world4: InProcessGroup) -> None:
+    """As torch: a non-member warns and leaves its lists alone (it crashed unpickling
+    the empty buffer it never received)."""
+
+    async def body(rank: int) -> tuple[list[object], list[object]]:
+        g = C.new_group([1, 2])
+        objs: list[object] = [f"from{rank}", {"r": rank}]
+        everyone: list[object] = [None, None]
+        if rank in (1, 2):
+            await C.broadcast_object_list(objs, src=1, group=g)
+            await C.all_gather_object(everyone, rank, group=g)
+        else:
+            with pytest.warns(UserWarning, match="not a member"):
+                await C.broadcast_object_list(objs, src=1, group=g)
+            with pytest.warns(UserWarning, match="not a member"):
+                await C.all_gather_object(everyone, rank, group=g)
+        return objs, everyone
+
+    results = await run_all(world4, body)
+    for rank in (0, 3):
+        assert results[rank] == ([f"from{rank}", {"r": rank}], [None, None])
+    for rank in (1, 2):
+        assert results[rank] == (["from1", {"r": 1}], [1, 2])
+
+
 # -- large tensors: ring all-reduce, chain broadcast ----------------------------------------
 @pytest.mark.parametrize("cma", [True, False], ids=["cma", "tcp"])
 @pytest.mark.parametrize("numel", [300_003, 1_000_000])  # 1.2 MB not divisible by 4; 4 MB
