@@ -488,6 +488,20 @@ class CollectiveActor:
             recv.timer = self.loop.call_later(limit, self._recv_expired, recv, limit)
         return future
 
+    def withdraw_recv(self, future: asyncio.Future[int]) -> bool:
+        """Withdraw the posted receive of ``future`` if no message matched it yet (its
+        caller stopped waiting): the next message goes to the next receive. False when
+        there is none (delivered already, or another backend's)."""
+        for waiters in self._p2p_wait.values():
+            for recv in waiters:
+                if recv.future is future:
+                    self._drop_waiter(recv)
+                    if recv.timer is not None:
+                        recv.timer.cancel()
+                    future.cancel()
+                    return True
+        return False
+
     def _recv_expired(self, recv: _Recv, limit: float) -> None:
         self._drop_waiter(recv)
         if not recv.future.done():

@@ -201,6 +201,9 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
     Returns:
         The global rank of the sender (-1 on a non-member of ``group``).
 
+    Cancelling the call (``asyncio.wait_for``) withdraws the receive if no message
+    reached it yet, on our backend; ``irecv``'s Work keeps its receive posted.
+
     Raises:
         CollectiveError: the message has another shape or dtype, the sender is gone, or
             the deadline passed.
@@ -208,7 +211,13 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
     work = irecv(tensor, src, group, tag, group_src)
     if work is None:
         return -1
-    await work.wait()
+    try:
+        await work.wait()
+    except asyncio.CancelledError:
+        # the caller stopped waiting (a timeout): a receive nobody waits for must not
+        # take the next message, which a retry expects (gloo cannot withdraw one)
+        actor().withdraw_recv(work._future)
+        raise
     return work.source_rank()
 
 
