@@ -636,7 +636,9 @@ class CollectiveActor:
 def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """A contiguous CPU tensor to work on, and the write-back into ``t`` if it is a copy."""
     d = t.detach()
-    if not copy and d.is_cpu and d.is_contiguous():
+    # (a conjugate or negative view reads as other values than its memory holds: a
+    # copy resolves it, and the write-back goes through the view)
+    if not copy and d.is_cpu and d.is_contiguous() and not d.is_conj() and not d.is_neg():
         dense = _dense_strides(d.shape)
         if d.stride() != dense:
             # contiguous, with odd strides in dimensions of size 1 (x[1::2] of a 3-long x):

@@ -465,3 +465,28 @@ async def test_operations_called_while_a_group_is_made_keep_their_order(world4: 
 
     results = await run_all(world4, body)
     assert results[:2] == [([3.0] * 4, [300.0] * 4)] * 2
+
+
+async def test_conjugate_and_negative_views_are_read_and_written_as_they_read(world4: InProcessGroup) -> None:
+    """A conjugate view's memory holds the unconjugated values: gloo sent those, and
+    our backend refused the view; both now work with what the view reads."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+
+    async def body(rank: int) -> tuple[list[complex], list[complex], list[float]]:
+        summed = (x * (rank + 1)).conj()
+        await C.all_reduce(summed)
+        got = torch.zeros(2, dtype=torch.complex64)
+        if rank == 0:
+            await C.send(x.conj(), dst=1)
+        elif rank == 1:
+            await C.recv(got, src=0)
+        imag = x.conj().imag if rank == 0 else torch.zeros(2)  # a view with the negative bit
+        await C.broadcast(imag, src=0)
+        return summed.resolve_conj().tolist(), got.tolist(), imag.tolist()
+
+    results = await run_all(world4, body)
+    total = sum((x * (r + 1)).conj().resolve_conj() for r in range(N))
+    for summed, _, imag in results:
+        assert summed == total.tolist()
+        assert imag == x.conj().imag.tolist()
+    assert results[1][1] == x.conj().resolve_conj().tolist()
