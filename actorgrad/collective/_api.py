@@ -478,7 +478,8 @@ def _refusal(act: CollectiveActor, g: Group | None, what: str) -> Iterator[None]
 
 def _refuse(act: CollectiveActor, g: Group, what: str, exc: Exception) -> None:
     if g.backend == "actorgrad" and len(g.ranks) > 1:
-        act.refuse(g, f"{what}: {exc}")
+        text = str(exc)
+        act.refuse(g, text if text.startswith(f"{what}:") else f"{what}: {text}")
 
 
 def _root_list(what: str, act: CollectiveActor, g: Group, tensor: torch.Tensor, root: Any, root_name: str,
