@@ -38,11 +38,12 @@ class StoreServer:
         """Stop serving. ``linger``: first wait up to that long for the clients to hang
         up (after a start-up error every worker can see, so that they read their last
         answers and fail with the same error instead of a closed connection)."""
+        if self._server is not None:
+            self._server.close()  # no new clients; those connected keep their connection
         deadline = time.monotonic() + linger
         while self._clients and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
             await asyncio.sleep(0.02)
         if self._server is not None:
-            self._server.close()
             for writer in list(self._clients):
                 writer.close()  # their handlers see EOF and end, instead of being cancelled
             with contextlib.suppress(Exception):

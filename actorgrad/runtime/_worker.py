@@ -65,6 +65,7 @@ _sched_yield = getattr(os, "sched_yield", lambda: None)  # not on every platform
 _WAIT_SPIN_FACTOR = 10
 
 _STORE_LINGER = 2.0  # most a rendezvous host waits at shutdown for workers still in it
+_STORE_DONE_LINGER = 10.0  # once the group formed: the most a client of the store keeps it
 
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
@@ -155,6 +156,7 @@ class Worker:
         self._unix_endpoint = ""
         self._store: Store | None = None
         self._store_server: StoreServer | None = None
+        self._store_closing: asyncio.Task[None] | None = None
         self._connections: set[PeerProtocol] = set()
         self._peer_waiters: dict[int, asyncio.Future[PeerProtocol]] = {}
         self._done_from: set[int] = set()
@@ -312,6 +314,12 @@ class Worker:
             # the roster: the rendezvous host waits a moment for them to read it
             await self._close_everything(store_linger=2.0 if isinstance(exc, ValueError) else 0.0)
             raise
+        if self._store_server is not None:
+            # every worker has the roster: nobody needs the store any more, and a store
+            # without a key left open is one anyone on the host can load (memory held
+            # for clients that never read, CPU); those still reading their last answer
+            # hang up at once
+            self._store_closing = self.loop.create_task(self._store_server.close(linger=_STORE_DONE_LINGER))
         if isinstance(self._store, FileStore):
             await self._store.set(f"left/{self.rank}", "1")
         else:
@@ -892,6 +900,8 @@ class Worker:
                 server.close()
         if self._store is not None:
             await self._store.close()
+        if self._store_closing is not None:
+            self._store_closing.cancel()  # the close below does what it was waiting to
         if self._store_server is not None:
             # workers still in the rendezvous (a group shut down right after it formed)
             # get their last answers first; the others have hung up already

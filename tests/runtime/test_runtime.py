@@ -1024,3 +1024,13 @@ async def test_an_answer_from_a_worker_not_called_is_refused(group3):
             break
         await asyncio.sleep(0.01)
     assert 1 not in worker0.peers  # dropped for answering what it was not asked
+
+
+async def test_the_rendezvous_store_closes_once_the_group_formed(group2):
+    """The store has no key: left open, anyone on the host could load it for the
+    group's whole life (clients that never read their answers held memory)."""
+    store = group2.workers[0]._store
+    with pytest.raises(OSError):
+        _, writer = await asyncio.open_connection(store.host, store.port)
+        writer.close()
+    await assert_still_serves(group2)
