@@ -133,32 +133,40 @@ def forward(pipe: IO[bytes], prefix: bytes, sink: Sink) -> None:
         while True:
             if partial:
                 ready, _, _ = select.select([fd], [], [], PARTIAL_AFTER_S)
-                if not ready:  # quiet for a while: show what there is of the line
-                    sink.put_line(pipe, prefix, partial, False)
-                    partial, shown = b"", True
+                if not ready or len(partial) >= _READ_BYTES:
+                    # quiet for a while, or long: show what there is of the line (a
+                    # lone \r waiting to see whether \n follows ended it after all)
+                    ended = partial.endswith(b"\r")
+                    sink.put_line(pipe, prefix, partial, ended)
+                    partial, shown = b"", not ended
                     continue
             data = os.read(fd, _READ_BYTES)
             if not data:
                 break
             data = partial + data
             start = 0
-            while True:
-                ends = [i for i in (data.find(b"\n", start), data.find(b"\r", start)) if i >= 0]
-                if not ends:
-                    break
-                end = min(ends) + 1
+            while (end := _line_end(data, start)) > 0:
                 sink.put_line(pipe, prefix, data[start:end], True)
                 start, shown = end, False
             partial = data[start:]
-        if partial:
-            sink.put_line(pipe, prefix, partial + b"\n", True)
-        elif shown:
-            sink.put_line(pipe, prefix, b"\n", True)  # the rank ended mid-line
+        if partial or shown:  # the rank ended mid-line
+            sink.put_line(pipe, prefix, partial if partial.endswith(b"\n") else partial + b"\n", True)
     except (OSError, ValueError):
         pass
     finally:
         with contextlib.suppress(OSError):
             pipe.close()
+
+
+def _line_end(data: bytes, start: int) -> int:
+    """Where the line from ``start`` ends (past \n, \r\n or \r), or 0: not in ``data``
+    yet (a \r at the very end may be the first half of \r\n)."""
+    newline, carriage = data.find(b"\n", start), data.find(b"\r", start)
+    if carriage < 0 or 0 <= newline < carriage:
+        return newline + 1
+    if carriage + 1 == len(data):
+        return 0
+    return carriage + (2 if data[carriage + 1] == 0x0A else 1)
 
 
 def sinks(stdout: IO[str], stderr: IO[str]) -> tuple[Sink, Sink]:

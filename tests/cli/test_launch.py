@@ -358,7 +358,7 @@ def test_ranks_share_stdin_and_bytes_pass_unchanged(tmp_path: Path) -> None:
         cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == b"[rank 0] bytes \xff\xfe end\n"
+    assert proc.stdout == b"[rank 0] bytes \xff\xfe end\n[rank 0] dos line\r\n"
 
 
 def test_modules_and_directories_run_as_with_python(tmp_path: Path) -> None:

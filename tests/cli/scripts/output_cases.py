@@ -9,7 +9,7 @@ Usage: output_cases.py CASE DIR
 - ``prompt``: rank 0 writes ``prompt> `` without a newline and waits until DIR/answer
   exists, then finishes the line.
 - ``stdin``: rank 0 reads a line from stdin and prints it back.
-- ``bytes``: rank 0 writes bytes that are not UTF-8.
+- ``bytes``: rank 0 writes bytes that are not UTF-8, and a line ending in \\r\\n.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> int:
     elif case == "stdin":
         print(f"got {input()!r}")
     elif case == "bytes":
-        sys.stdout.buffer.write(b"bytes \xff\xfe end\n")
+        sys.stdout.buffer.write(b"bytes \xff\xfe end\ndos line\r\n")
         sys.stdout.buffer.flush()
     return 0
 
