@@ -36,6 +36,8 @@ class Tracer:
         self.enabled = self.always
         self._blocks: dict[int, int] = {}  # rank -> trace blocks open there
         self.events: list[dict[str, Any]] = []
+        self.dropped = 0  # events past MAX_EVENTS, not kept
+        self.full_at = 0.0  # when the first was dropped
         self._lock = threading.Lock()
 
     def open_blocks(self, rank: int) -> int:
@@ -77,6 +79,10 @@ class Tracer:
         with self._lock:
             if len(self.events) < MAX_EVENTS:
                 self.events.append(event)
+            else:
+                if not self.dropped:
+                    self.full_at = event["ts"]
+                self.dropped += 1
 
     def snapshot(self) -> list[dict[str, Any]]:
         """This worker's events so far plus the metadata naming its process. The events
@@ -84,8 +90,12 @@ class Tracer:
         the one ``actorgrad launch --trace`` writes at the end)."""
         with self._lock:
             events = list(self.events)
+            dropped, full_at = self.dropped, self.full_at
         meta = {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                 "args": {"name": f"{self.name} (rank {self.rank})"}}
+        if dropped:  # said where it happened, not lost in silence
+            events.append({"name": f"trace full: {dropped} later events dropped", "cat": "trace", "ph": "i",
+                           "s": "p", "ts": full_at, "pid": self.rank, "tid": 0, "args": {"dropped": dropped}})
         return [meta, *events]
 
 

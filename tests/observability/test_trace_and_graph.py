@@ -279,3 +279,16 @@ async def test_one_backward_pass_counts_once_while_it_runs(group2) -> None:  # t
         y = await ag.rpc_async("worker1", _back_to_worker0, args=(_CountPasses.apply(x),))
         await ag.autograd.backward(cid, [y.sum()])
     assert _SEEN_PASSES == [1]
+
+
+def test_a_full_trace_says_how_many_events_it_dropped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from actorgrad.runtime import _trace
+
+    monkeypatch.setattr(_trace, "MAX_EVENTS", 3)
+    tracer = _trace.Tracer(0, "worker0", enabled=True)
+    for i in range(5):
+        tracer.instant(f"event {i}", "test")
+    events = tracer.snapshot()
+    assert [e["name"] for e in events[1:4]] == ["event 0", "event 1", "event 2"]
+    assert events[-1]["name"] == "trace full: 2 later events dropped"
+    assert events[-1]["ts"] >= events[3]["ts"]
