@@ -184,9 +184,10 @@ def _same_file(a: IO[str], b: IO[str]) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def wait_for_output(threads: list[threading.Thread], sinks: list[Sink], stop: Callable[[], bool],
-                    idle_s: float = 2.0) -> None:
-    """After the ranks exited: wait until their output is all written.
+def finish(threads: list[threading.Thread], sinks: tuple[Sink, ...], stop: Callable[[], bool],
+           idle_s: float = 2.0) -> None:
+    """After the ranks exited: wait until their output is all written, then end the
+    sinks' threads.
 
     Waits as long as output is still queued (a slow reader of the launcher's stream
     makes this slow, as it makes the ranks slow under any launcher). Gives up when
@@ -196,9 +197,11 @@ def wait_for_output(threads: list[threading.Thread], sinks: list[Sink], stop: Ca
     last = time.monotonic()
     while any(t.is_alive() for t in threads) or not all(s.drained() for s in sinks):
         if stop():
-            return
+            break
         if not all(s.drained() for s in sinks):
             last = time.monotonic()
         elif time.monotonic() - last > idle_s:
-            return
+            break
         time.sleep(0.02)
+    for sink in sinks:
+        sink.close()

@@ -508,7 +508,7 @@ def launch(
                        "choose another port or omit --master-port to pick a free one")
     if problem is not None or master_port is None:
         err.message(f"{_LAUNCH}: {problem}\n")
-        _rank_output.wait_for_output([], [out, err], lambda: False)
+        _rank_output.finish([], (out, err), lambda: False)
         return 2
 
     auth_key = os.environ.get("ACTORGRAD_AUTH_KEY") or secrets.token_hex(32)
@@ -574,8 +574,8 @@ def launch(
         _kill_and_reap(ranks, stragglers=False)
         _cleanup_stragglers(ranks)
         seen = len(signals.received)
-        _rank_output.wait_for_output([t for r in ranks for t in r.threads], [out, err],
-                                     lambda: len(signals.received) > seen)
+        _rank_output.finish([t for r in ranks for t in r.threads], (out, err),
+                            lambda: len(signals.received) > seen)
         for prev_sig, handler in previous.items():
             signal.signal(prev_sig, signal.SIG_DFL if handler is None else handler)
     return exit_code
