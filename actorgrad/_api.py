@@ -160,18 +160,29 @@ class trace:  # noqa: N801 - used as `with ag.trace():`
         self._change(-1)
 
     def _change(self, by: int) -> None:
+        import asyncio
         import contextlib
 
         from .wire import Payload
 
         worker = get_worker()
-        tracer = worker.tracer
-        count = max(tracer.open_blocks(worker.rank) + by, 0)
-        tracer.set_blocks(worker.rank, count)
-        message = Payload.dump(count)
-        for rank in list(worker.peers):
-            with contextlib.suppress(Exception):
-                worker.tell(rank, "trace.set", message)
+        count = worker.tracer.change_blocks(worker.rank, by)
+
+        def tell_peers() -> None:
+            message = Payload.dump(count)
+            for rank in list(worker.peers):
+                with contextlib.suppress(Exception):
+                    worker.tell(rank, "trace.set", message)
+
+        try:
+            on_loop = asyncio.get_running_loop() is worker.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            tell_peers()
+        else:  # a thread (a plain script, a remote function on the pool): the loop sends,
+            # after what this thread sent before, so calls made in the block are recorded
+            worker.loop.call_soon_threadsafe(tell_peers)
 
 
 async def export_trace(path: str) -> int:

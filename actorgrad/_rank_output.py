@@ -37,14 +37,17 @@ _READ_BYTES = 1 << 16
 class Sink:
     """One destination (the launcher's stdout or stderr) and the thread writing to it."""
 
-    def __init__(self, stream: IO[str], name: str, budget: int = SINK_BUDGET_BYTES) -> None:
+    def __init__(self, stream: IO[str] | None, name: str, budget: int = SINK_BUDGET_BYTES) -> None:
         self._stream = stream
         self._budget = budget
         self._chunks: deque[bytes] = deque()
         self._pending = 0  # bytes queued or being written
         self._open: object | None = None  # the source whose line is unfinished on screen
+        self._after_cr: object | None = None  # the source whose last line ended in \r
         self._closed = False
-        self._broken = False  # the stream refused a write: the rest is dropped
+        # the stream refused a write (or there is none: a closed descriptor leaves
+        # sys.stdout None): the rest is dropped
+        self._broken = stream is None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"actorgrad-launch-{name}", daemon=True)
         self._thread.start()
@@ -55,27 +58,27 @@ class Sink:
         with self._cond:
             while wait and self._pending > self._budget and not self._broken:
                 self._cond.wait()
-            if self._broken:
-                return
+            if self._broken or (text == b"\r" and self._open is not source):
+                return  # (a carriage return at the start of a line moves nothing)
             pieces = []
             if self._open is not None and self._open is not source:
                 pieces.append(b"\n")  # another source's unfinished line: end it on screen
                 self._open = None
-            if self._open is None:
-                if text == b"\r":
-                    return  # a carriage return at a line start moves nothing
-                pieces.append(prefix)
+            if self._open is None and not (text == b"\n" and self._after_cr is source):
+                pieces.append(prefix)  # (a \n after this source's \r ends that line)
             pieces.append(text)
             self._open = None if complete else source
+            self._after_cr = source if complete and text.endswith(b"\r") else None
             data = b"".join(pieces)
             self._chunks.append(data)
             self._pending += len(data)
             self._cond.notify_all()
 
     def message(self, text: str) -> None:
-        """A launcher message: queued whole, never waiting (the supervisor calls it)."""
+        """A line of the launcher's own: queued whole, never waiting (the supervisor
+        calls it)."""
         encoding = getattr(self._stream, "encoding", None) or "utf-8"
-        self.put_line(self, b"", text.encode(encoding, errors="replace"), True, wait=False)
+        self.put_line(self, b"", f"{text}\n".encode(encoding, errors="replace"), True, wait=False)
 
     def drained(self) -> bool:
         """Whether everything queued was written (or the stream refused it)."""
@@ -99,7 +102,7 @@ class Sink:
                 self._chunks.clear()
             try:
                 self._write(data)
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - whatever the stream's failure, the same end
                 # a closed or broken pipe (`actorgrad launch ... | head`): drop the
                 # rest but keep the readers draining the ranks, so they never block
                 with self._cond:
@@ -114,6 +117,7 @@ class Sink:
 
     def _write(self, data: bytes) -> None:
         stream = self._stream
+        assert stream is not None  # (a sink without one is broken from the start)
         binary = getattr(stream, "buffer", None)
         if binary is None:  # a text-only stream (a notebook's, a test's): decode
             stream.write(data.decode("utf-8", errors="replace"))
@@ -169,14 +173,16 @@ def _line_end(data: bytes, start: int) -> int:
     return carriage + (2 if data[carriage + 1] == 0x0A else 1)
 
 
-def sinks(stdout: IO[str], stderr: IO[str]) -> tuple[Sink, Sink]:
+def sinks(stdout: IO[str] | None, stderr: IO[str] | None) -> tuple[Sink, Sink]:
     """The sinks for the launcher's stdout and stderr: one shared when both are the
     same file (a terminal, ``2>&1``), so their lines never split each other."""
     out = Sink(stdout, "stdout")
     return out, out if _same_file(stdout, stderr) else Sink(stderr, "stderr")
 
 
-def _same_file(a: IO[str], b: IO[str]) -> bool:
+def _same_file(a: IO[str] | None, b: IO[str] | None) -> bool:
+    if a is None or b is None:
+        return False
     try:
         sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
     except (OSError, ValueError, AttributeError):  # no file behind it (captured, a notebook)
@@ -184,7 +190,7 @@ def _same_file(a: IO[str], b: IO[str]) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def finish(threads: list[threading.Thread], sinks: tuple[Sink, ...], stop: Callable[[], bool],
+def finish(threads: list[threading.Thread], outputs: tuple[Sink, ...], stop: Callable[[], bool],
            idle_s: float = 2.0) -> None:
     """After the ranks exited: wait until their output is all written, then end the
     sinks' threads.
@@ -195,13 +201,13 @@ def finish(threads: list[threading.Thread], sinks: tuple[Sink, ...], stop: Calla
     open (a process that left the rank's process group still holds it).
     """
     last = time.monotonic()
-    while any(t.is_alive() for t in threads) or not all(s.drained() for s in sinks):
+    while any(t.is_alive() for t in threads) or not all(s.drained() for s in outputs):
         if stop():
             break
-        if not all(s.drained() for s in sinks):
+        if not all(s.drained() for s in outputs):
             last = time.monotonic()
         elif time.monotonic() - last > idle_s:
             break
         time.sleep(0.02)
-    for sink in sinks:
+    for sink in outputs:
         sink.close()

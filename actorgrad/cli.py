@@ -428,7 +428,7 @@ def _shutdown(
     running = [r.rank for r in ranks if r.proc.poll() is None]
     if running:
         why = "on a second signal" if len(signals.received) > seen else f"after {grace_s:g}s"
-        err.message(f"killing rank(s) {', '.join(map(str, running))}: still running {why}")
+        _say(err, f"killing rank(s) {', '.join(map(str, running))}: still running {why}")
     _kill_and_reap(ranks, stragglers=True)
 
 
@@ -462,6 +462,11 @@ def _cleanup_stragglers(ranks: Sequence[_Rank], grace_s: float = 1.0) -> None:
     while time.monotonic() < deadline and any(_group_alive(r.pgid) for r in groups):
         time.sleep(_POLL_INTERVAL_S)
     _signal_group([r for r in groups if _group_alive(r.pgid)], signal.SIGKILL)
+
+
+def _say(err: _rank_output.Sink, text: str) -> None:
+    """A message of the launcher's own, on its stderr."""
+    err.message(f"{_LAUNCH}: {text}")
 
 
 def _script_problem(script: str, module: bool) -> str | None:
@@ -507,7 +512,7 @@ def launch(
             problem = (f"--master-port {master_port} is already in use on {master_addr}; "
                        "choose another port or omit --master-port to pick a free one")
     if problem is not None or master_port is None:
-        err.message(f"{_LAUNCH}: {problem}\n")
+        _say(err, str(problem))
         _rank_output.finish([], (out, err), lambda: False)
         return 2
 
@@ -523,9 +528,6 @@ def launch(
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             previous[sig] = signal.signal(sig, signals.handler)
 
-    def say(text: str) -> None:
-        err.message(f"{_LAUNCH}: {text}\n")
-
     ranks: list[_Rank] = []
     exit_code = 0
     try:
@@ -536,7 +538,7 @@ def launch(
                 env = _child_env(rank, nproc, master_addr, master_port, auth_key)
                 ranks.append(_start_rank(rank, cmd, env, (out, err)))
         except OSError as exc:
-            say(f"failed to start rank {len(ranks)}: {exc}")
+            _say(err, f"failed to start rank {len(ranks)}: {exc}")
             _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
             return 1
 
@@ -546,7 +548,7 @@ def launch(
         while True:
             if signals.received:
                 signum = signals.received[0]
-                say(f"received {signal.Signals(signum).name}; stopping all {nproc} ranks "
+                _say(err, f"received {signal.Signals(signum).name}; stopping all {nproc} ranks "
                     "(again to kill them at once)")
                 # the ranks see Ctrl-C as KeyboardInterrupt; anything else as SIGTERM
                 _shutdown(ranks, signum if signum == signal.SIGINT else signal.SIGTERM, signals, err,
@@ -560,9 +562,9 @@ def launch(
                 first = failed[0]
                 text, exit_code = _describe_exit(first.proc.returncode)
                 others = [r for r in ranks if r.proc.poll() is None]
-                say(f"rank {first.rank} {text}; terminating {len(others)} remaining rank(s)")
+                _say(err, f"rank {first.rank} {text}; terminating {len(others)} remaining rank(s)")
                 for r in failed[1:]:
-                    say(f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} (after rank {first.rank})")
+                    _say(err, f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} (after rank {first.rank})")
                 _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
                 break
             if done == len(ranks):

@@ -285,7 +285,7 @@ def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable
 
     if t.device.type == "cuda":  # NCCL works on the device itself
         d = t.detach()
-        if d.is_contiguous() and not copy:
+        if d.is_contiguous() and not copy and not d.is_conj() and not d.is_neg():
             return d, None
         work = d.clone(memory_format=torch.contiguous_format)
 

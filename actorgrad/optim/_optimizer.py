@@ -145,18 +145,28 @@ class OptimizerActor:
 _ids = itertools.count(1)
 
 
-class _ReachedParameters(Exception):  # noqa: N818 - a signal, not an error
-    """Raised by ``_NoParameters`` once an optimizer's constructor reads its parameters."""
+class _ReachedParameters(BaseException):  # noqa: N818 - a signal, not an error
+    """Raised by ``_NoParameters`` once an optimizer's constructor reads its parameters
+    (a BaseException, so that a constructor's ``except Exception`` lets it through)."""
 
 
-class _NoParameters:
+class _NoParameters(list[Any]):
     """Stands for the parameters in ``_check_arguments``: the constructor's argument
     checks run before it reads them (torch's optimizers check their hyperparameters
-    first, then hand the parameters to ``Optimizer.__init__``); reading them ends the
-    check, so nothing about the real parameters (Muon takes 2-D ones only) is judged
-    on a stand-in."""
+    first, then hand the parameters to ``Optimizer.__init__``); reading them in any way
+    (iterating, ``len``, indexing) ends the check, so nothing about the real parameters
+    (Muon takes 2-D ones only) is judged on a stand-in."""
 
     def __iter__(self) -> Any:
+        raise _ReachedParameters
+
+    def __len__(self) -> int:
+        raise _ReachedParameters
+
+    def __getitem__(self, index: Any) -> Any:
+        raise _ReachedParameters
+
+    def __bool__(self) -> bool:
         raise _ReachedParameters
 
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 MAX_EVENTS = 1_000_000
+_TID_SPAN = 100_000  # thread ids are taken modulo this; extra rows of a thread add multiples
 
 
 def now_us() -> float:
@@ -40,11 +41,20 @@ class Tracer:
         self.full_at = 0.0  # when the first was dropped
         self._lock = threading.Lock()
 
-    def open_blocks(self, rank: int) -> int:
-        return self._blocks.get(rank, 0)
+    def change_blocks(self, rank: int, by: int) -> int:
+        """``rank`` (this worker) opened (+1) or closed (-1) a trace block; how many it
+        has open now. Blocks may be entered from several threads at once."""
+        with self._lock:
+            count = max(self._blocks.get(rank, 0) + by, 0)
+            self._set_blocks(rank, count)
+            return count
 
     def set_blocks(self, rank: int, count: int) -> None:
         """``rank`` has ``count`` trace blocks open (0 also for a worker that is gone)."""
+        with self._lock:
+            self._set_blocks(rank, count)
+
+    def _set_blocks(self, rank: int, count: int) -> None:
         if count > 0:
             self._blocks[rank] = count
         else:
@@ -75,7 +85,7 @@ class Tracer:
 
     def _add(self, event: dict[str, Any]) -> None:
         event["pid"] = self.rank
-        event["tid"] = threading.get_ident() % 100000
+        event["tid"] = threading.get_ident() % _TID_SPAN
         with self._lock:
             if len(self.events) < MAX_EVENTS:
                 self.events.append(event)
@@ -107,6 +117,7 @@ def in_lanes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     without nesting. Each span keeps the first lane (lane 0: the thread's own tid)
     where it nests; lanes beyond get a tid of their own, named after the thread.
     """
+    events = [dict(e) if e.get("ph") == "X" else e for e in events]  # not the recorded ones
     spans: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
     for event in events:
         if event.get("ph") == "X":
@@ -121,11 +132,11 @@ def in_lanes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if number == len(lanes):
                 lanes.append([])
                 if number and isinstance(tid, int):
-                    extra.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid + number * 100_000,
+                    extra.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid + number * _TID_SPAN,
                                   "args": {"name": f"thread {tid}, concurrent {number}"}})
             lanes[number].append(end)
             if number and isinstance(tid, int):
-                event["tid"] = tid + number * 100_000
+                event["tid"] = tid + number * _TID_SPAN
     return events + extra
 
 

@@ -342,15 +342,15 @@ class Worker:
         (see ``_local``), else (or when that fails) over TCP."""
         proto = None
         if self._local_server is not None and isinstance(local, list) and len(local) == 2:
-            endpoint = unix_endpoint(str(local[0]))
-            proto = await _local.connect(self.loop, lambda: self._accept(True, endpoint), *local)
+            unix = unix_endpoint(str(local[0]))
+            proto = await _local.connect(self.loop, lambda: self._accept(True, unix), *local)
         delay = 0.01
-        endpoint = tcp_endpoint(address[0], address[1])
+        tcp = tcp_endpoint(address[0], address[1])
         while proto is None:
             try:
                 client_tls = self.options.ssl_client_context
                 _, proto = await self.loop.create_connection(
-                    lambda: self._accept(True, endpoint), address[0], address[1], ssl=client_tls,
+                    lambda: self._accept(True, tcp), address[0], address[1], ssl=client_tls,
                     server_hostname=address[0] if client_tls else None,
                 )
                 break

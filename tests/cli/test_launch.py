@@ -243,7 +243,7 @@ def test_sigint_stops_all_ranks(tmp_path: Path) -> None:
         assert time.monotonic() - start < 10
         assert proc.returncode == 130, (out, err)
         assert "received SIGINT" in err
-        assert "killing rank(s) 1: still running after 1s" in err
+        assert "actorgrad launch: killing rank(s) 1: still running after 1s\n" in err
         _assert_all_dead(pids)
 
 
@@ -373,3 +373,35 @@ def test_modules_and_directories_run_as_with_python(tmp_path: Path) -> None:
     assert {"[rank 0] main of 0", "[rank 1] main of 1"} <= set(out.splitlines())
     code, _out, err = _run(["launch", "--nproc", "2", "--nnodes", "2", str(tmp_path)])
     assert code == 2 and "this machine only" in err
+
+
+def test_a_launcher_without_stdout_or_stderr_still_ends(tmp_path: Path) -> None:
+    """With its stdout or stderr closed (``>&-``) Python has no sys.stdout: the
+    launcher must drop that output, not wait for good to write it."""
+    for closed in ("1", "2"):
+        proc = subprocess.run(
+            ["bash", "-c", f'exec "$0" -m actorgrad launch --nproc 2 "$1" >&{closed}- ', sys.executable,
+             str(SCRIPTS / "echo_argv.py")],
+            cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+        )
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_output_lines_of_two_ranks_never_run_together() -> None:
+    """Sans processes: what the sink makes of partial lines, carriage returns and
+    \\r\\n from two sources."""
+    import io
+
+    from actorgrad._rank_output import Sink, finish
+
+    buffer = io.BytesIO()
+    sink = Sink(io.TextIOWrapper(buffer, write_through=True), "test")
+    a, b = object(), object()
+    sink.put_line(a, b"[a] ", b"step 1", False)  # a's progress bar, shown unfinished
+    sink.put_line(b, b"[b] ", b"\r", True)  # b's carriage return at its line start
+    sink.put_line(b, b"[b] ", b"line\n", True)  # ends a's line on screen first
+    sink.put_line(a, b"[a] ", b"crlf\r", True)  # \r\n whose \n came apart
+    sink.put_line(a, b"[a] ", b"\n", True)
+    sink.message("done")
+    finish([], (sink,), lambda: False)
+    assert buffer.getvalue() == b"[a] step 1\n[b] line\n[a] crlf\r\ndone\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 
 import pytest
@@ -292,3 +293,43 @@ def test_a_full_trace_says_how_many_events_it_dropped(monkeypatch) -> None:  # t
     assert [e["name"] for e in events[1:4]] == ["event 0", "event 1", "event 2"]
     assert events[-1]["name"] == "trace full: 2 later events dropped"
     assert events[-1]["ts"] >= events[3]["ts"]
+
+
+async def test_trace_blocks_entered_from_threads_all_end(group2) -> None:  # type: ignore[no-untyped-def]
+    """Blocks from several threads at once: the count of open blocks must not lose an
+    update (recording then stayed on for good)."""
+    import threading
+
+    from actorgrad.runtime import get_worker
+
+    worker = get_worker()
+
+    def many() -> None:
+        for _ in range(300):
+            with ag.trace():
+                pass
+
+    threads = [threading.Thread(target=many) for _ in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: a lost update shows at once
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):  # noqa: ASYNC110 - the threads' tells need this loop
+            await asyncio.sleep(0.01)
+    finally:
+        sys.setswitchinterval(interval)
+    await asyncio.sleep(0.05)  # their last tells went out
+    assert not tracing_on() and not await ag.rpc_async("worker1", tracing_on)
+    assert worker.tracer._blocks == {}
+
+
+async def test_a_second_export_draws_the_same_rows(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with ag.trace():
+        await asyncio.gather(*(ag.rpc_async("worker1", slow_add, args=(torch.zeros(2),)) for _ in range(2)))
+    rows = []
+    for name in ("one.json", "two.json"):
+        await ag.export_trace(str(tmp_path / name))
+        events = json.loads((tmp_path / name).read_text())["traceEvents"]
+        rows.append(sorted((e["pid"], e["tid"], e.get("args", {}).get("name")) for e in events if e["ph"] == "M"))
+    assert rows[0] == rows[1] and any("concurrent 1" in str(name) for _, _, name in rows[0])

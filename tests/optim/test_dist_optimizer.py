@@ -355,3 +355,26 @@ async def test_model_parallel_remote_module(group3):
         got = (await remote_module.to_here()).state_dict()
         for name, value in local_module.state_dict().items():
             torch.testing.assert_close(got[name], value, msg=name)
+
+
+class CountingSGD(torch.optim.SGD):
+    """A user's optimizer that looks at its parameter list before iterating it."""
+
+    def __init__(self, params, lr=0.1):  # type: ignore[no-untyped-def]
+        if len(params) == 0:
+            raise ValueError("CountingSGD needs parameters")
+        super().__init__(params, lr=lr)
+
+
+async def test_an_optimizer_that_takes_the_length_of_its_parameters_is_accepted(group2):
+    rref = ag.remote("worker1", make_param, args=(14,))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(CountingSGD, [rref], lr=0.1)
+    x = torch.rand(3, 3)
+    async with ag.autograd.context() as context_id:
+        p = await rref.to_here()
+        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
+        await opt.step(context_id)
+    lp = clone_leaf(before)
+    scaled_sum(lp, x).backward()
+    torch.testing.assert_close(await rref.to_here(), (lp - 0.1 * lp.grad).detach())
