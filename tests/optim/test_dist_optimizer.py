@@ -24,6 +24,14 @@ def scaled_sum(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (p * x).tanh().sum()
 
 
+async def one_step(opt: ag.optim.DistributedOptimizer, rref: ag.RRef, x: torch.Tensor) -> None:
+    """One distributed step of ``opt`` on ``scaled_sum`` of the remote parameter."""
+    async with ag.autograd.context() as context_id:
+        p = await rref.to_here()
+        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
+        await opt.step(context_id)
+
+
 async def owner_num_optimizers(name: str) -> int:
     return await ag.rpc_async(name, _num_optimizers)
 
@@ -261,10 +269,7 @@ async def test_optimizer_that_checks_its_parameters_is_judged_by_its_owners(grou
         ag.optim.DistributedOptimizer(torch.optim.Muon, [rref], lr=-1)
     opt = ag.optim.DistributedOptimizer(torch.optim.Muon, [rref], lr=0.02)
     x = torch.rand(4, 3)
-    async with ag.autograd.context() as context_id:
-        p = await rref.to_here()
-        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
-        await opt.step(context_id)
+    await one_step(opt, rref, x)
     lp = clone_leaf(before)
     local = torch.optim.Muon([lp], lr=0.02)
     scaled_sum(lp, x).backward()
@@ -371,10 +376,7 @@ async def test_an_optimizer_that_takes_the_length_of_its_parameters_is_accepted(
     before = await rref.to_here()
     opt = ag.optim.DistributedOptimizer(CountingSGD, [rref], lr=0.1)
     x = torch.rand(3, 3)
-    async with ag.autograd.context() as context_id:
-        p = await rref.to_here()
-        await ag.autograd.backward(context_id, [scaled_sum(p, x)])
-        await opt.step(context_id)
+    await one_step(opt, rref, x)
     lp = clone_leaf(before)
     scaled_sum(lp, x).backward()
     torch.testing.assert_close(await rref.to_here(), (lp - 0.1 * lp.grad).detach())
