@@ -168,7 +168,7 @@ def _build_parser() -> argparse.ArgumentParser:
     launch_p.add_argument(
         "--nnodes",
         default="1",
-        metavar="1",
+        metavar="N",
         help="accepted for torchrun compatibility: only 1 (this machine)",
     )
     launch_p.add_argument(
