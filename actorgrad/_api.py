@@ -152,20 +152,26 @@ class trace:  # noqa: N801 - used as `with ag.trace():`
     peers are ordered, so every call made inside the block is recorded on both sides.
     """
 
+    def __init__(self) -> None:
+        self._workers: list[Any] = []  # the worker each open entry of this block counts on
+
     def __enter__(self) -> trace:
-        self._change(+1)
+        worker = get_worker()
+        self._change(worker, +1)
+        self._workers.append(worker)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._change(-1)
+        worker = self._workers.pop()
+        if not worker.closed:  # (a group shut down inside the block took its count along)
+            self._change(worker, -1)
 
-    def _change(self, by: int) -> None:
-        import asyncio
+    @staticmethod
+    def _change(worker: Any, by: int) -> None:
         import contextlib
 
         from .wire import Payload
 
-        worker = get_worker()
         count = worker.tracer.change_blocks(worker.rank, by)
 
         def tell_peers() -> None:

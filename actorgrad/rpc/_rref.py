@@ -303,9 +303,9 @@ class RRef(Generic[T]):
             WorkerLost: the owner, or the worker that asked for the value, is gone.
             ValueError: ``timeout`` is negative.
         """
+        worker = self._live_worker()
         if self._value is not None:
             return await self._owner_value(self._value, timeout)
-        worker = self._worker
         src, reply = _api.send_request(worker, self._owner, "rref.fetch", (self._id,), timeout)
         return _api.load_value(worker, await reply, src)
 
@@ -359,9 +359,20 @@ class RRef(Generic[T]):
     def remote(self, timeout: float | None = None) -> Any:
         return _Proxy(self, _api.remote, timeout)
 
+    def _live_worker(self) -> Worker:
+        """The worker this RRef belongs to, refusing one that was shut down: ids start
+        over in a group started after it, so the same id there names another value."""
+        worker = self._worker
+        if worker.closed:
+            raise RuntimeError(
+                f"this RRef (id {self._id}) belongs to {worker.name} of a group that was shut "
+                "down; RRefs do not outlive their group"
+            )
+        return worker
+
     # -- pickling: every copy is a new fork -----------------------------------------
     def __reduce__(self) -> Any:
-        worker = self._worker
+        worker = self._live_worker()
         if self._owner != worker.rank and _api.sending_to.get() == self._owner:
             # To the owner itself (``rref.rpc_sync().method()``, an RRef argument of a
             # call to its owner): this RRef's own fork keeps the value alive until the

@@ -846,6 +846,9 @@ class Worker:
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop this worker. Graceful: wait until no worker has outstanding work first."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ValueError(f"shutdown timeout must be a number of seconds >= 0, got {timeout!r}")
         if self.closed:
             return
         self.shutting_down = True
@@ -878,7 +881,19 @@ class Worker:
                 if missing:
                     log.warning("%s: shutdown did not hear from %s in %.1fs; closing anyway",
                                 self.name, ", ".join(missing), limit)
+            # work this worker accepted and still runs, also for callers that stopped
+            # waiting (their timeout cancels our task, not a function already running
+            # on the pool) or that left: it finishes first, as torch drains its pool
+            while self._still_serving() and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
+                await asyncio.sleep(0.01)
         await self._close_everything()
+
+    def _still_serving(self) -> bool:
+        """Whether calls of peers are still being served here, or functions of calls
+        given up on still run on the pool (``shutdown`` itself may be one of them)."""
+        me = asyncio.current_task()
+        serving = any(task is not me for proto in self.peers.values() for task in proto.serving.values())
+        return serving or self._pool.in_flight > 0
 
     async def _close_everything(self, store_linger: float = 0.0) -> None:
         self.closed = True
@@ -888,9 +903,13 @@ class Worker:
         for request_id, future in list(self._pending.futures.items()):
             self._pending.fail(request_id, WorkerLost(future.peer.name or "?", f"{self.name} shut down"))
         self._pending.close()
+        me = asyncio.current_task()
         for proto in list(self._connections) + list(self.peers.values()):
-            for task in proto.serving.values():
-                task.cancel()
+            for request_id, task in list(proto.serving.items()):
+                if task is me:  # a remote function that called shutdown: it finishes it
+                    del proto.serving[request_id]  # (closing its connection cancels the rest)
+                else:
+                    task.cancel()
             if proto.is_open:
                 with contextlib.suppress(Exception):
                     proto.send(Goodbye(reason="shutdown"))

@@ -69,7 +69,9 @@ class InProcessGroup:
 
     async def shutdown(self, graceful: bool = True) -> None:
         await asyncio.gather(
-            *(self.run_as(w.rank, _shutdown_one, w, graceful) for w in self.workers if not w.shutting_down),
+            # (not w.shutting_down: a shutdown that was cancelled or failed left a worker
+            # that says so and is still open)
+            *(self.run_as(w.rank, _shutdown_one, w, graceful) for w in self.workers if not w.closed),
             *self.followers,
             return_exceptions=True,
         )

@@ -760,3 +760,28 @@ async def test_a_creation_the_owner_could_not_read_is_not_waited_for(group3):
         return len(owner_table(get_worker())._awaited)
 
     assert await ag.rpc_async("worker1", awaited_on_owner) == 0
+
+
+async def test_an_rref_does_not_outlive_its_group() -> None:
+    """Ids start over in a new group: an RRef kept from the last one named another
+    value there (a worker fetching it got the new group's value)."""
+    from actorgrad.testing import start_in_process
+
+    group = await start_in_process(2)
+    stale = ag.RRef("from the first group")
+    await group.shutdown()
+    group = await start_in_process(2)
+    try:
+        fresh = ag.RRef("from the second group")
+        assert fresh._id == stale._id  # the case that mattered
+        with pytest.raises(RuntimeError, match="do not outlive their group"):
+            await ag.rpc_async("worker1", str, args=(stale,))
+        with pytest.raises(RuntimeError, match="do not outlive their group"):
+            await stale.to_here()
+        assert await ag.rpc_async("worker1", _fetch, args=(fresh,)) == "from the second group"
+    finally:
+        await group.shutdown()
+
+
+async def _fetch(rref: ag.RRef[Any]) -> Any:
+    return await rref.to_here()

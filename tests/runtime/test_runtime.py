@@ -1034,3 +1034,63 @@ async def test_the_rendezvous_store_closes_once_the_group_formed(group2):
         _, writer = await asyncio.open_connection(store.host, store.port)
         writer.close()
     await assert_still_serves(group2)
+
+
+# -- review: starting and stopping -------------------------------------------------------
+_SIDE_EFFECTS: list[str] = []
+
+
+def _slow_side_effect(tag: str, seconds: float = 0.6) -> str:
+    time.sleep(seconds)
+    _SIDE_EFFECTS.append(tag)
+    return tag
+
+
+async def test_graceful_shutdown_lets_a_function_whose_caller_gave_up_finish(group2):
+    """The caller's timeout cancels the call, not a function already running on the
+    callee's pool: a graceful shutdown waits for it, as torch drains its pool (it was
+    killed with the process, its side effect lost)."""
+    tag = f"abandoned-{time.monotonic()}"
+    with pytest.raises(ag.RpcTimeout):  # (longer than closing the pool waits for its threads)
+        await ag.rpc_async("worker1", _slow_side_effect, args=(tag, 2.5), timeout=0.1)
+    await group2.shutdown()
+    assert tag in _SIDE_EFFECTS
+
+
+async def test_a_group_shuts_down_after_a_shutdown_that_was_cancelled(make_group):
+    group = await make_group(2)
+    call = asyncio.ensure_future(ag.rpc_async("worker1", _slow_side_effect, args=("cancelled shutdown",)))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(ag.shutdown(timeout=5), 0.1)
+    await group.shutdown()
+    assert all(w.closed for w in group.workers)  # worker0 was skipped as "shutting down"
+    await asyncio.gather(call, return_exceptions=True)
+
+
+async def test_a_bad_shutdown_timeout_is_refused_before_anything_stops(group2):
+    with pytest.raises(ValueError, match="shutdown timeout"):
+        await ag.shutdown(timeout="5")  # type: ignore[arg-type]
+    assert not group2.workers[0].shutting_down
+    await assert_still_serves(group2)
+
+
+async def _shut_down_from_here() -> str:
+    await ag.shutdown(timeout=0.5)
+    return "stopped"
+
+
+async def test_shutdown_called_by_a_remote_function_finishes_its_cleanup(group2):
+    worker1 = group2.workers[1]
+    await worker1.run_blocking(lambda: None)  # a pool thread to stop
+    with pytest.raises(ag.WorkerLost):  # it stopped before it could answer
+        await ag.rpc_async("worker1", _shut_down_from_here)
+    for _ in range(100):
+        if worker1.closed and worker1._pool._closed:
+            break
+        await asyncio.sleep(0.05)
+    assert worker1.closed and worker1._pool._closed  # its own task was cancelled midway
+
+
+async def test_leaving_a_trace_block_after_shutdown(group2):
+    with ag.trace():
+        await group2.shutdown()  # (raised: RPC is not initialized)
