@@ -136,13 +136,27 @@ def get_world_size() -> int:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` on a fresh event loop (uvloop when installed) and return its result."""
+    """Run ``main`` on a fresh event loop (uvloop when installed) and return its result.
+
+    A worker that ``main`` started and did not shut down is stopped (not gracefully)
+    when it ends: its connections, threads and listeners go with the loop."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main)
+        return asyncio.run(_closing_workers(main))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
+        return runner.run(_closing_workers(main))
+
+
+async def _closing_workers(main: Coroutine[Any, Any, T]) -> T:
+    from .runtime import _current
+
+    try:
+        return await main
+    finally:
+        loop = asyncio.get_running_loop()
+        for worker in [w for w in _current._live_workers if w.loop is loop and not w.closed]:
+            await worker.shutdown(graceful=False)
 
 
 class trace:  # noqa: N801 - used as `with ag.trace():`

@@ -8,11 +8,13 @@ import contextlib
 import contextvars
 import inspect
 import json
+import operator
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -1094,3 +1096,23 @@ async def test_shutdown_called_by_a_remote_function_finishes_its_cleanup(group2)
 async def test_leaving_a_trace_block_after_shutdown(group2):
     with ag.trace():
         await group2.shutdown()  # (raised: RPC is not initialized)
+
+
+def test_ag_run_stops_the_workers_its_main_left_running() -> None:
+    """A script whose main returns (or raises) without shutdown: its workers' threads
+    and listeners outlived ag.run, registered as live, into the next ag.run."""
+    from actorgrad.runtime import _current
+    from actorgrad.testing import start_in_process
+
+    started: list[Any] = []
+
+    async def main() -> int:
+        group = await start_in_process(2)
+        started.extend(group.workers)
+        await group.workers[1].run_blocking(lambda: None)  # a pool thread
+        return await ag.rpc_async("worker1", operator.add, args=(1, 2))
+
+    assert ag.run(main()) == 3
+    assert all(w.closed for w in started)
+    assert not any(w in _current._live_workers for w in started)
+    assert not [t for t in threading.enumerate() if t.name.startswith(("actorgrad-worker0", "actorgrad-worker1"))]
