@@ -278,9 +278,11 @@ async def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: G
         _check_tensor(tensor, "tensor")
         _check_op(op, tensor)
     except (TypeError, ValueError) as exc:
-        # while the group's arena negotiation runs, which counts small all-reduces
-        # alike on every member, a refused one would count on the others only
-        if g is not None and act.arenas.settled(g.id):
+        if g is not None:
+            if g.backend == "actorgrad" and not act.arenas.settled(g.id):
+                # the group's arena negotiation counts small all-reduces alike on every
+                # member; the refused one counts on the others only
+                act.arenas.refused(g)
             _refuse(act, g, "all_reduce", exc)
         raise
     if g is None:

@@ -244,6 +244,28 @@ class ArenaChannel:
         st = self._groups.get(gid)
         return st is not None and st.count >= 2
 
+    def refused(self, group: Group) -> None:
+        """This member refused a small all-reduce of ``group`` (a bad argument) while
+        the group's arena was being negotiated. The others count that operation (it
+        fails there with our refusal), this member cannot: it gives the arena up, and
+        its next operations (plain ones, with no offer and no yes) make the others
+        decide against it too, so every member goes on over the connections alike."""
+        st = self._groups.get(group.id)
+        if st is None:
+            st = self._groups[group.id] = _GroupArena(group, self.worker.rank, self.loop)
+        if st.count >= 2:
+            return
+        st.count = 2
+        if not st.offered.done():
+            st.offered.set_result(None)
+        if not st.decided.done():
+            st.active = False
+            if st.arena is not None:
+                st.arena.release()
+                st.arena.close()
+                st.arena = None
+            st.decided.set_result(None)
+
     def skip(self, gid: int, seq: int) -> None:
         """Operation ``seq`` of group ``gid`` failed here on another path: this member
         will never read the arena for it (so nobody waits for that to reuse a slot)."""

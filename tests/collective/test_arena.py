@@ -201,6 +201,36 @@ async def test_a_rank_that_stops_waiting_during_the_negotiation_decides_alike(ma
     assert len({actor(w).arenas.active(0) for w in group.workers}) == 1
 
 
+@pytest.mark.parametrize("which", [0, 1])
+async def test_an_all_reduce_refused_during_the_negotiation_fails_the_others_at_once(make_group: Any,
+                                                                                      which: int) -> None:
+    """A bad argument on one rank in one of a group's first two small all-reduces: the
+    others' call failed only at its timeout, and the group's calls were paired off by
+    one from then on (silently wrong sums). Now they fail at once, and every member
+    goes on alike (without the arena)."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[str, list[float]]:
+        for _ in range(which):
+            await C.all_reduce(torch.ones(1))
+        start = time.monotonic()
+        try:
+            await C.all_reduce(None if rank == 0 else torch.ones(4))  # type: ignore[arg-type]
+            failure = "none"
+        except (TypeError, CollectiveError) as exc:
+            failure = type(exc).__name__
+        assert time.monotonic() - start < 2
+        out = []
+        for k in range(3):
+            t = torch.tensor([float(rank + k)])
+            await asyncio.wait_for(C.all_reduce(t), 5)
+            out.append(t.item())
+        return failure, out
+
+    results = await run_all(group, body)
+    assert results == [("TypeError", [1.0, 3.0, 5.0]), ("CollectiveError", [1.0, 3.0, 5.0])]
+
+
 async def test_a_member_without_the_arena_keeps_everyone_on_the_connections(make_group: Any) -> None:
     group: InProcessGroup = await make_group(3)
     actor(group.workers[1]).arenas.enabled = False
