@@ -288,6 +288,7 @@ class ContextActor(CallHooks):
     def get(self, context_id: int) -> DistContext:
         ctx = self.contexts.get(context_id)
         if ctx is None:
+            check_context_id(context_id)
             raise ContextError(
                 f"autograd context {context_id} does not exist on {self.worker.name} "
                 "(never created here, or already released)"
@@ -404,6 +405,15 @@ class ContextActor(CallHooks):
             "num_send_entries": sum(len(c.sends) for c in self.contexts.values()),
             "num_recv_entries": sum(len(c.recvs) for c in self.contexts.values()),
         }
+
+
+def check_context_id(context_id: Any) -> None:
+    """Refuse what cannot be a context id (a context id is the int that
+    ``autograd.context()`` yields)."""
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise TypeError(
+            f"context_id must be the int that autograd.context() yields, got {type(context_id).__name__}"
+        )
 
 
 def context_actor(worker: Worker | None = None) -> ContextActor:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
@@ -60,7 +61,14 @@ from torch.autograd.graph import GradientEdge
 from .._errors import ContextError
 from ..runtime import Worker, get_worker
 from ..wire import Payload
-from ._context import ID_BITS, ContextActor, DistContext, RecvRpcBackward, context_actor
+from ._context import (
+    ID_BITS,
+    ContextActor,
+    DistContext,
+    RecvRpcBackward,
+    check_context_id,
+    context_actor,
+)
 from ._messages import (
     DESCRIBE,
     BackwardReport,
@@ -878,11 +886,16 @@ async def backward(
         RemoteError / WorkerLost / RpcTimeout: a peer failed during the backward.
     """
     worker = get_worker()
+    check_context_id(context_id)
+    if not isinstance(retain_graph, bool):  # (a string spoilt the context halfway)
+        raise TypeError(f"retain_graph must be True or False, got {retain_graph!r}")
     mode = mode or worker.options.autograd_mode
     if mode not in ("fast", "smart"):
         raise ValueError(f"mode must be 'fast' or 'smart', got {mode!r}")
     if isinstance(roots, torch.Tensor):
         roots = [roots]
+    if not isinstance(roots, collections.abc.Iterable):
+        raise TypeError(f"roots must be a tensor or a sequence of tensors, got {type(roots).__name__}")
     roots = list(roots)
     if not roots:
         raise ContextError("backward needs at least one root tensor")

@@ -189,7 +189,13 @@ def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> GraphQuery:
     Pass ``roots`` (e.g. ``[loss]``) to include the part of this worker's graph that
     only the loss reaches.
     """
-    return GraphQuery(get_worker(), context_id, tuple(roots))
+    if isinstance(roots, torch.Tensor):
+        roots = (roots,)
+    roots = tuple(roots)
+    for root in roots:
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"graph roots must be tensors, got {type(root).__name__}")
+    return GraphQuery(get_worker(), context_id, roots)
 
 
 class GraphQuery(collections.abc.Coroutine):

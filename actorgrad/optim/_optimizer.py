@@ -11,6 +11,7 @@ them again. The step itself runs on the worker's thread pool, off the event loop
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import itertools
 from collections.abc import Sequence
@@ -200,6 +201,9 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: Sequence[RRef[Any]],
                  *args: Any, **kwargs: Any) -> None:
+        if isinstance(params_rref, RRef) or not isinstance(params_rref, collections.abc.Iterable):
+            raise TypeError(f"params_rref must be a list of RRefs, got {type(params_rref).__name__}")
+        params_rref = list(params_rref)
         if not params_rref:
             raise ValueError("DistributedOptimizer needs at least one parameter RRef")
         _check_arguments(optimizer_class, args, kwargs)

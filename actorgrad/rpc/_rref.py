@@ -333,6 +333,10 @@ class RRef(Generic[T]):
         ``RRef.backward``: with a distributed autograd context id, a distributed
         backward started on the owner (read the gradients with ``get_gradients``);
         with -1, a local backward, on the owner only."""
+        if isinstance(dist_autograd_ctx_id, bool) or not isinstance(dist_autograd_ctx_id, int):
+            raise TypeError(f"dist_autograd_ctx_id must be an int, got {type(dist_autograd_ctx_id).__name__}")
+        if not isinstance(retain_graph, bool):
+            raise TypeError(f"retain_graph must be True or False, got {retain_graph!r}")
         if dist_autograd_ctx_id == -1:
             if not self.is_owner():
                 raise RuntimeError(

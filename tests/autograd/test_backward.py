@@ -808,3 +808,31 @@ async def test_received_tensors_passed_on_as_they_came(group2):
     lw.register_hook(lambda g: g * 5)
     torch.sin(lw).sum().backward()
     assert_grads(grads, [(x, lx.grad)])
+
+
+async def test_bad_arguments_are_refused_before_the_backward_starts(group2):
+    """A retain_graph that is no bool failed halfway, leaving the context unusable; the
+    others raised internal errors. They are refused at the call, and a correct
+    backward in the same context then works."""
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))
+        loss = y.sum()
+        with pytest.raises(TypeError, match="retain_graph must be True or False"):
+            await ag.autograd.backward(context_id, [loss], retain_graph="no")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="roots must be a tensor or a sequence"):
+            await ag.autograd.backward(context_id, None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="context_id must be the int"):
+            await ag.autograd.backward("x", [loss])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="context_id must be the int"):
+            ag.autograd.get_gradients(None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="graph roots must be tensors"):
+            ag.autograd.graph(context_id, [None])  # type: ignore[list-item]
+        assert (await ag.autograd.graph(context_id, loss)).nodes  # one tensor, as backward takes
+        rref = ag.remote("worker1", torch.ones, args=(1,))
+        with pytest.raises(TypeError, match="retain_graph"):
+            await rref.backward(context_id, retain_graph="yes")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="dist_autograd_ctx_id must be an int"):
+            await rref.backward("x")  # type: ignore[arg-type]
+        await ag.autograd.backward(context_id, [loss])
+        torch.testing.assert_close(ag.autograd.get_gradients(context_id)[x], torch.full((3,), 2.0))

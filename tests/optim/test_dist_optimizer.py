@@ -380,3 +380,12 @@ async def test_an_optimizer_that_takes_the_length_of_its_parameters_is_accepted(
     lp = clone_leaf(before)
     scaled_sum(lp, x).backward()
     torch.testing.assert_close(await rref.to_here(), (lp - 0.1 * lp.grad).detach())
+
+
+async def test_params_rref_must_be_a_list_of_rrefs_and_step_a_context_id(group2):
+    rref = ag.remote("worker1", make_param, args=(15,))
+    with pytest.raises(TypeError, match="params_rref must be a list of RRefs, got RRef"):
+        ag.optim.DistributedOptimizer(torch.optim.SGD, rref, lr=0.1)  # type: ignore[arg-type]
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, (r for r in [rref]), lr=0.1)  # any iterable
+    with pytest.raises(TypeError, match="context_id must be the int"):
+        await opt.step("x")  # type: ignore[arg-type]
