@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..runtime import PeerRef, Worker, get_worker, run_sync
+from ..runtime._calls import check_timeout
 from ..wire import Payload
 from . import _hooks
 from ._inline import InlinePolicy
@@ -247,6 +248,22 @@ def send_request(
     return dst, reply
 
 
+def call_arguments(what: str, args: Any, kwargs: Any, timeout: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` of a call as sent, refusing what they cannot be (a tensor
+    or a string for ``args`` would be split into its elements), and the timeout."""
+    if args is None:
+        args = ()
+    elif not isinstance(args, (tuple, list)):
+        hint = " (one argument: args=(x,))" if isinstance(args, (torch.Tensor, str, bytes)) else ""
+        raise TypeError(f"{what} args must be a tuple of arguments, got {type(args).__name__}{hint}")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict) or not all(type(k) is str for k in kwargs):
+        raise TypeError(f"{what} kwargs must be a dict of keyword arguments by name, got {kwargs!r:.80}")
+    check_timeout(timeout)
+    return tuple(args), kwargs
+
+
 def rpc_async(
     to: PeerRef,
     func: Callable[..., T],
@@ -277,7 +294,8 @@ def rpc_async(
         raise RuntimeError(
             "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
         )
-    _, reply = send_request(worker, to, "rpc.call", (func, tuple(args or ()), dict(kwargs or {})), timeout, True)
+    args, kwargs = call_arguments("rpc", args, kwargs, timeout)
+    _, reply = send_request(worker, to, "rpc.call", (func, args, dict(kwargs)), timeout, True)
     return reply
 
 
@@ -331,6 +349,7 @@ def remote(
 
     if not callable(func):
         raise TypeError(f"remote func must be callable, got {type(func).__name__}")
+    args, kwargs = call_arguments("remote", args, kwargs, timeout)
     worker = get_worker()
     if not _on_loop(worker):
         return run_sync(worker, _in_callers_grad_mode(

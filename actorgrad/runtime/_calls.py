@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ def check_timeout(timeout: float | None) -> None:
         ValueError: ``timeout`` is negative or NaN (which ``limit > 0`` would
             silently turn into "no limit").
     """
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
     if timeout is not None and not timeout >= 0:
         raise ValueError(
             f"timeout must be >= 0 seconds (0: no limit; None: RpcOptions.rpc_timeout), got {timeout!r}"

@@ -730,3 +730,21 @@ async def test_an_interrupted_blocking_call_from_a_thread_is_cancelled(group2):
             break
         await asyncio.sleep(0.02)
     assert tag in CANCELLED
+
+
+async def test_call_arguments_that_cannot_be_meant_are_refused_at_the_call(group2):
+    """args=(t) is t, whose rows were sent as arguments; a string was split into its
+    characters; a timeout that is no number failed deep inside with a comparison."""
+    t = torch.ones(2)
+    for call in (ag.rpc_async, ag.remote):
+        with pytest.raises(TypeError, match=r"args must be a tuple of arguments, got Tensor \(one argument: args=\(x,\)\)"):
+            call("worker1", torch.neg, args=t)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="args must be a tuple"):
+            call("worker1", len, args="ab")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="kwargs must be a dict"):
+            call("worker1", torch.neg, args=(t,), kwargs=[1, 2])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            call("worker1", torch.neg, args=(t,), timeout="5")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        await ag.remote("worker1", torch.neg, args=(t,)).to_here(timeout=True)
+    assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=[t]), -t)  # a list is fine
