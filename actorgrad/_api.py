@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import numbers
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -211,4 +212,6 @@ async def export_trace(path: str) -> int:
     Open it in Perfetto (ui.perfetto.dev) or chrome://tracing. Returns the number of
     events written. Workers that are gone are left out.
     """
-    return await get_worker().export_trace(path)
+    if not isinstance(path, (str, os.PathLike)):  # (an int was taken for a file descriptor)
+        raise TypeError(f"export_trace: path must be a file path, got {type(path).__name__}")
+    return await get_worker().export_trace(os.fspath(path))

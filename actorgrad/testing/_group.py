@@ -187,6 +187,10 @@ async def local_group(
     The processes serve until worker0 shuts down (``await group.shutdown()``), and die
     with it if it disappears.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"local_group: world_size must be an int >= 1, got {world_size!r}")
+    if options is not None and not isinstance(options, RpcOptions):
+        raise TypeError(f"local_group: options must be an RpcOptions, got {type(options).__name__}")
     if _current.running_here("worker0"):  # before any process starts (a cell run twice)
         raise RuntimeError(
             "local_group: worker0 is already running on this loop (an earlier group); "

@@ -347,7 +347,13 @@ async def test_init_rpc_names_the_argument_of_the_wrong_type(kwargs, named):
      ({"listen_port": -1}, ValueError, "listen_port"),
      ({"num_worker_threads": 2.5}, TypeError, "num_worker_threads"),
      ({"num_worker_threads": True}, TypeError, "num_worker_threads"),
-     ({"rpc_timeout": "60"}, TypeError, "rpc_timeout")],
+     ({"rpc_timeout": "60"}, TypeError, "rpc_timeout"),
+     # (these failed inside init_rpc: an int key as a lost connection, an int host in asyncio)
+     ({"auth_key": 5}, TypeError, "auth_key"),
+     ({"listen_host": 5}, TypeError, "listen_host"),
+     ({"ssl_context": "x", "ssl_client_context": "y"}, TypeError, "ssl_context"),
+     ({"trace": "no"}, TypeError, "trace"),
+     ({"local_sockets": None}, TypeError, "local_sockets")],
 )
 def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, named):
     # (NaN as a timeout meant no limit at all; a heartbeat interval of 0 spun the loop)
@@ -1116,3 +1122,14 @@ def test_ag_run_stops_the_workers_its_main_left_running() -> None:
     assert all(w.closed for w in started)
     assert not any(w in _current._live_workers for w in started)
     assert not [t for t in threading.enumerate() if t.name.startswith(("actorgrad-worker0", "actorgrad-worker1"))]
+
+
+async def test_local_group_and_export_trace_refuse_arguments_they_cannot_use():
+    """local_group('2') failed after making its log folder (left behind); export_trace(5)
+    wrote the trace into file descriptor 5 (the event loop's own) and closed it."""
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        await ag.local_group("2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="options must be an RpcOptions"):
+        await ag.local_group(2, options={"rpc_timeout": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="path must be a file path"):
+        await ag.export_trace(5)  # type: ignore[arg-type]
