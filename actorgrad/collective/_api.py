@@ -478,6 +478,15 @@ def _refusal(act: CollectiveActor, g: Group | None, what: str) -> Iterator[None]
         raise
 
 
+def refuse_next(group: Group | None, what: str, exc: Exception) -> None:
+    """For a layer above (DDP) whose argument checks refused its part of a collective
+    the other members are about to enter: their part fails at once, naming ``exc``."""
+    act = actor()
+    g = _group(act, group)
+    if act.worker.rank in g.ranks:
+        _refuse(act, g, what, exc)
+
+
 def _refuse(act: CollectiveActor, g: Group, what: str, exc: Exception) -> None:
     if g.backend == "actorgrad" and len(g.ranks) > 1:
         text = str(exc)

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from .. import collective as C
-from ..collective._api import start_all_reduce
+from ..collective._api import refuse_next, start_all_reduce
 from ..runtime import Worker, get_worker
 
 _MiB = 1 << 20
@@ -96,7 +96,9 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if bucket_cap_mb <= 0:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__}")
+        if not bucket_cap_mb > 0:  # (NaN too)
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         for name, sub in module.named_modules():
             if getattr(sub, "sparse", False) is True and isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
@@ -165,19 +167,27 @@ class DistributedDataParallel(nn.Module):
             if group is not None:
                 raise ValueError("pass group or process_group (torch's name for it), not both")
             group = process_group
+        if group is not None and not isinstance(group, C.Group):
+            raise TypeError(f"group must be an actorgrad.collective.Group or None, got {type(group).__name__}")
         if bucket_cap_mb is None:
             bucket_cap_mb = 25.0
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        _check_devices(module, device_ids, output_device)
-        if not any(p.requires_grad for p in module.parameters()):
-            raise RuntimeError(
-                "DistributedDataParallel is not needed when a module has no parameter that "
-                "requires a gradient (as torch says)"
-            )
         del gradient_as_bucket_view, static_graph
-        ddp = cls(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-                  group=group, broadcast_buffers=broadcast_buffers, _created=True)
+        try:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            _check_devices(module, device_ids, output_device)
+            if not any(p.requires_grad for p in module.parameters()):
+                raise RuntimeError(
+                    "DistributedDataParallel is not needed when a module has no parameter that "
+                    "requires a gradient (as torch says)"
+                )
+            ddp = cls(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                      group=group, broadcast_buffers=broadcast_buffers, _created=True)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            # the other members are entering the broadcast of rank 0's state: they fail
+            # at once (naming this) instead of at their timeout, and stay in step
+            refuse_next(group, "DistributedDataParallel.create", exc)
+            raise
         # as torch: buffers too, unless broadcast_buffers=False keeps them per rank
         tensors = list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else [])
         await ddp._broadcast(tensors)

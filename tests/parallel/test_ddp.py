@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -615,3 +616,26 @@ async def test_a_backward_given_up_leaves_no_wrapper_taken(make_group: Any) -> N
         return denc._active, dhead._active
 
     assert await run_all(group, body) == [(False, False), (False, False)]
+
+
+async def test_create_refused_on_one_rank_fails_the_others_at_once(make_group: Any) -> None:
+    """The others waited in the broadcast of rank 0's state until their timeout, and
+    their next collective then paired with the refusing rank's next one."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[str, float]:
+        start = time.monotonic()
+        try:
+            await DDP.create(mlp(0), bucket_cap_mb="x" if rank == 1 else 25)  # type: ignore[arg-type]
+            failure = "none"
+        except (TypeError, C.CollectiveError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        assert time.monotonic() - start < 5
+        t = torch.tensor([float(rank + 1)])
+        await C.all_reduce(t)  # the group is still in step
+        return failure, t.item()
+
+    (fail0, sum0), (fail1, sum1) = await run_all(group, body)
+    assert fail1 == "TypeError: bucket_cap_mb must be a number of MiB, got str"
+    assert fail0.startswith("CollectiveError") and "bucket_cap_mb must be a number of MiB" in fail0
+    assert sum0 == sum1 == 3.0
