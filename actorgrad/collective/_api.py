@@ -18,6 +18,7 @@ import torch
 
 from .._errors import CollectiveError
 from ..runtime import get_worker
+from ..runtime._calls import check_timeout
 from ._actor import CollectiveActor, actor
 from ._types import Group, ReduceOp, Work
 
@@ -47,8 +48,7 @@ async def init_process_group(backend: str = "actorgrad", timeout: float | None =
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     act = actor()
     if timeout is not None:
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        check_timeout(timeout)  # (a number of seconds >= 0)
         act.timeout = float(timeout)
     world_ranks = act.world.ranks
     if backend == "actorgrad":

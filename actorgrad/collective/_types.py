@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..runtime import get_worker
+from ..runtime._calls import check_timeout
 
 
 class ReduceOp(enum.Enum):
@@ -102,6 +103,7 @@ class Work:
         if timeout is None:
             await asyncio.shield(self._future)
         else:
+            check_timeout(timeout)
             await asyncio.wait_for(asyncio.shield(self._future), timeout)
         return True
 

@@ -162,3 +162,21 @@ async def test_a_recv_given_up_on_takes_no_message(world4: InProcessGroup, backe
         return abandoned.item(), fresh.item()
 
     assert (await run_all(world4, body))[1] == (0.0, 42.0)
+
+
+async def test_wait_and_init_timeouts_must_be_numbers(world4: InProcessGroup) -> None:
+    async def body(rank: int) -> None:
+        if rank > 1:
+            return
+        if rank == 0:
+            await C.send(torch.ones(1), dst=1)
+            return
+        work = C.irecv(torch.zeros(1), src=0)
+        assert work is not None
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            await work.wait(timeout="x")  # type: ignore[arg-type]
+        assert await work.wait(timeout=5)
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            await C.init_process_group(timeout="x")  # type: ignore[arg-type]
+
+    await run_all(world4, body)
