@@ -152,11 +152,12 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 async def _closing_workers(main: Coroutine[Any, Any, T]) -> T:
     from .runtime import _current
 
+    before = list(_current._live_workers)  # (on a loop run again: not those of earlier code)
     try:
         return await main
     finally:
         loop = asyncio.get_running_loop()
-        for worker in [w for w in _current._live_workers if w.loop is loop and not w.closed]:
+        for worker in [w for w in _current._live_workers if w.loop is loop and not w.closed and w not in before]:
             await worker.shutdown(graceful=False)
 
 
@@ -212,6 +213,6 @@ async def export_trace(path: str) -> int:
     Open it in Perfetto (ui.perfetto.dev) or chrome://tracing. Returns the number of
     events written. Workers that are gone are left out.
     """
-    if not isinstance(path, (str, os.PathLike)):  # (an int was taken for a file descriptor)
+    if not isinstance(path, (str, bytes, os.PathLike)):  # (an int was taken for a file descriptor)
         raise TypeError(f"export_trace: path must be a file path, got {type(path).__name__}")
     return await get_worker().export_trace(os.fspath(path))

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import contextvars
 import itertools
+import numbers
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -410,7 +411,7 @@ class ContextActor(CallHooks):
 def check_context_id(context_id: Any) -> None:
     """Refuse what cannot be a context id (a context id is the int that
     ``autograd.context()`` yields)."""
-    if isinstance(context_id, bool) or not isinstance(context_id, int):
+    if isinstance(context_id, bool) or not isinstance(context_id, numbers.Integral):
         raise TypeError(
             f"context_id must be the int that autograd.context() yields, got {type(context_id).__name__}"
         )

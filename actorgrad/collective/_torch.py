@@ -130,7 +130,7 @@ class TorchBackend:
                 finish(exc)
                 return
             if blocking:
-                waiter = self.worker.run_blocking(work.wait)
+                waiter = self.worker.run_blocking(work.wait, waits_on_peers=True)
                 waiter.add_done_callback(lambda f: finish(f.exception()))
                 return
             fut = work.get_future()
@@ -341,7 +341,7 @@ def _off_loop(worker: Worker, make: Callable[[], Any]) -> asyncio.Future[Any]:
         else:
             result.set_result(holder.pop())
 
-    worker.run_blocking(run).add_done_callback(done)
+    worker.run_blocking(run, waits_on_peers=True).add_done_callback(done)
     return result
 
 

@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import numbers
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -96,7 +97,8 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        cap: Any = bucket_cap_mb  # (typed float; a numpy number or a mistake may come)
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__}")
         if not bucket_cap_mb > 0:  # (NaN too)
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import contextvars
 import inspect
@@ -253,15 +254,17 @@ def call_arguments(what: str, args: Any, kwargs: Any, timeout: Any) -> tuple[tup
     or a string for ``args`` would be split into its elements), and the timeout."""
     if args is None:
         args = ()
-    elif not isinstance(args, (tuple, list)):
+    elif type(args) is not tuple and (isinstance(args, (torch.Tensor, str, bytes, dict))
+                                     or not isinstance(args, collections.abc.Iterable)):
+        # (a tensor or a string would be split into its elements)
         hint = " (one argument: args=(x,))" if isinstance(args, (torch.Tensor, str, bytes)) else ""
         raise TypeError(f"{what} args must be a tuple of arguments, got {type(args).__name__}{hint}")
     if kwargs is None:
         kwargs = {}
-    elif not isinstance(kwargs, dict) or not all(type(k) is str for k in kwargs):
+    elif not isinstance(kwargs, collections.abc.Mapping) or not all(type(k) is str for k in kwargs):
         raise TypeError(f"{what} kwargs must be a dict of keyword arguments by name, got {kwargs!r:.80}")
     check_timeout(timeout)
-    return tuple(args), kwargs
+    return tuple(args), dict(kwargs)
 
 
 def rpc_async(

@@ -109,18 +109,19 @@ class RpcOptions:
         if self.listen_port > 65535:
             raise ValueError(f"RpcOptions.listen_port must be <= 65535, got {self.listen_port}")
         for name, kinds, what in (
-            ("auth_key", (bytes, str, type(None)), "bytes, a str or None"),
+            ("auth_key", (bytes, bytearray, str, type(None)), "bytes, a str or None"),
             ("listen_host", (str,), "a str (a host name or address)"),
             ("advertise_host", (str, type(None)), "a str or None"),
             ("ssl_context", (ssl.SSLContext, type(None)), "an ssl.SSLContext or None"),
             ("ssl_client_context", (ssl.SSLContext, type(None)), "an ssl.SSLContext or None"),
-            ("trace", (bool,), "True or False"),
-            ("inline_functions", (bool,), "True or False"),
-            ("local_sockets", (bool,), "True or False"),
         ):
             value = getattr(self, name)
             if not isinstance(value, kinds):
                 raise TypeError(f"RpcOptions.{name} must be {what}, got {type(value).__name__} {value!r:.40}")
+        for name in ("trace", "inline_functions", "local_sockets"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)):  # ("no" is true)
+                raise TypeError(f"RpcOptions.{name} must be True or False, got {type(value).__name__} {value!r:.40}")
         if (self.ssl_context is None) != (self.ssl_client_context is None):
             raise ValueError(
                 "TLS needs both ssl_context (listening) and ssl_client_context (connecting)"

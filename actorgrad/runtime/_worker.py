@@ -17,6 +17,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import numbers
 import os
 import pickle
 import socket
@@ -164,6 +165,7 @@ class Worker:
         self._lost_listeners: list[Callable[[str, int, str], None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._pool = ThreadPool(self.loop, options.num_worker_threads, f"actorgrad-{name}")
+        self._peer_waits = 0  # pool jobs that only wait for other workers (run_blocking)
         self._context = contextvars.copy_context()
         self._context.run(_current.current_worker.set, self)
         self.tracer = Tracer(rank, name, options.trace)
@@ -755,9 +757,20 @@ class Worker:
         self.peer(to).send(Tell(target=target, payload=payload))
 
     # -- execution of user code -----------------------------------------------------
-    def run_blocking(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Run ``fn()`` in the worker's thread pool, in the caller's contextvars."""
-        return self._pool.submit(fn, contextvars.copy_context())
+    def run_blocking(self, fn: Callable[[], Any], waits_on_peers: bool = False) -> asyncio.Future[Any]:
+        """Run ``fn()`` in the worker's thread pool, in the caller's contextvars.
+
+        ``waits_on_peers``: ``fn`` only waits for other workers (a gloo receive), so a
+        graceful shutdown does not wait for it as for work served here: closing the
+        backend ends it."""
+        future = self._pool.submit(fn, contextvars.copy_context())
+        if waits_on_peers:
+            self._peer_waits += 1
+            future.add_done_callback(self._peer_wait_done)
+        return future
+
+    def _peer_wait_done(self, _: asyncio.Future[Any]) -> None:
+        self._peer_waits -= 1
 
     # -- failures -------------------------------------------------------------------
     def add_lost_listener(self, listener: Callable[[str, int, str], None]) -> None:
@@ -846,7 +859,7 @@ class Worker:
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop this worker. Graceful: wait until no worker has outstanding work first."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or not timeout >= 0):
             raise ValueError(f"shutdown timeout must be a number of seconds >= 0, got {timeout!r}")
         if self.closed:
@@ -893,9 +906,11 @@ class Worker:
         given up on still run on the pool (``shutdown`` itself may be one of them)."""
         me = asyncio.current_task()
         serving = any(task is not me for proto in self.peers.values() for task in proto.serving.values())
-        return serving or self._pool.in_flight > 0
+        return serving or self._pool.in_flight > self._peer_waits
 
     async def _close_everything(self, store_linger: float = 0.0) -> None:
+        if self.closed:
+            return  # (two shutdowns at once: the first closes)
         self.closed = True
         _current.unregister(self)
         if self._heartbeat_task is not None:

@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import numbers
 import os
 import pickle
 import shutil
@@ -187,8 +188,11 @@ async def local_group(
     The processes serve until worker0 shuts down (``await group.shutdown()``), and die
     with it if it disappears.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"local_group: world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+        raise TypeError(f"local_group: world_size must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"local_group: world_size must be >= 1, got {world_size}")
+    world_size = int(world_size)
     if options is not None and not isinstance(options, RpcOptions):
         raise TypeError(f"local_group: options must be an RpcOptions, got {type(options).__name__}")
     if _current.running_here("worker0"):  # before any process starts (a cell run twice)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +182,20 @@ async def test_wait_and_init_timeouts_must_be_numbers(world4: InProcessGroup) ->
             await C.init_process_group(timeout="x")  # type: ignore[arg-type]
 
     await run_all(world4, body)
+
+
+async def test_a_gloo_receive_given_up_on_does_not_hold_a_graceful_shutdown(make_group: Any) -> None:
+    """A posted gloo receive waits on a pool thread until the backend closes (gloo
+    cannot withdraw it): a graceful shutdown, which waits for work still served, must
+    not wait for it too (both ranks waited for their whole shutdown timeout)."""
+    group: InProcessGroup = await make_group(2)
+    await run_all(group, lambda rank: C.init_process_group(backend="gloo"))
+
+    async def post(rank: int) -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(C.recv(torch.zeros(3), src=1 - rank, tag=7), 0.2)
+
+    await run_all(group, post)
+    start = time.monotonic()
+    await group.shutdown()
+    assert time.monotonic() - start < 8  # (the in-process groups' shutdown timeout is 10 s)

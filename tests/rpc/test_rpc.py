@@ -748,3 +748,10 @@ async def test_call_arguments_that_cannot_be_meant_are_refused_at_the_call(group
     with pytest.raises(TypeError, match="timeout must be a number of seconds"):
         await ag.remote("worker1", torch.neg, args=(t,)).to_here(timeout=True)
     assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=[t]), -t)  # a list is fine
+    # any other iterable and mapping as before, numpy numbers as timeouts
+    import types
+
+    import numpy as np
+
+    assert await ag.rpc_async("worker1", max, args=range(3), kwargs=types.MappingProxyType({}),
+                              timeout=np.float32(5)) == 2

@@ -353,7 +353,7 @@ async def test_init_rpc_names_the_argument_of_the_wrong_type(kwargs, named):
      ({"listen_host": 5}, TypeError, "listen_host"),
      ({"ssl_context": "x", "ssl_client_context": "y"}, TypeError, "ssl_context"),
      ({"trace": "no"}, TypeError, "trace"),
-     ({"local_sockets": None}, TypeError, "local_sockets")],
+     ({"local_sockets": "no"}, TypeError, "local_sockets")],
 )
 def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, named):
     # (NaN as a timeout meant no limit at all; a heartbeat interval of 0 spun the loop)
@@ -364,6 +364,7 @@ def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, na
 
     assert ag.RpcOptions(num_worker_threads=np.int64(4), listen_port=np.int32(0),
                          rpc_timeout=np.float32(5.0)).num_worker_threads == 4
+    assert ag.RpcOptions(trace=np.bool_(False), local_sockets=0, auth_key=bytearray(b"k")).auth_key == b"k"
 
 
 async def test_unsupported_init_method():
@@ -1127,8 +1128,10 @@ def test_ag_run_stops_the_workers_its_main_left_running() -> None:
 async def test_local_group_and_export_trace_refuse_arguments_they_cannot_use():
     """local_group('2') failed after making its log folder (left behind); export_trace(5)
     wrote the trace into file descriptor 5 (the event loop's own) and closed it."""
-    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+    with pytest.raises(TypeError, match="world_size must be an int"):
         await ag.local_group("2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        await ag.local_group(0)
     with pytest.raises(TypeError, match="options must be an RpcOptions"):
         await ag.local_group(2, options={"rpc_timeout": 1})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="path must be a file path"):
