@@ -88,7 +88,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, group: C.Group | None = None,
-                 broadcast_buffers: bool = True, _created: bool = False) -> None:
+                 broadcast_buffers: bool = True, device_ids: list[Any] | None = None,
+                 output_device: Any = None, _created: bool = False) -> None:
         if not _created:
             raise TypeError(
                 "use `ddp = await DistributedDataParallel.create(module, ...)`: building the "
@@ -97,6 +98,12 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        _check_devices(module, device_ids, output_device)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module has no parameter that "
+                "requires a gradient (as torch says)"
+            )
         cap: Any = bucket_cap_mb  # (typed float; a numpy number or a mistake may come)
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__}")
@@ -174,17 +181,10 @@ class DistributedDataParallel(nn.Module):
         if bucket_cap_mb is None:
             bucket_cap_mb = 25.0
         del gradient_as_bucket_view, static_graph
-        try:
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-            _check_devices(module, device_ids, output_device)
-            if not any(p.requires_grad for p in module.parameters()):
-                raise RuntimeError(
-                    "DistributedDataParallel is not needed when a module has no parameter that "
-                    "requires a gradient (as torch says)"
-                )
+        try:  # (the constructor checks the arguments)
             ddp = cls(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-                      group=group, broadcast_buffers=broadcast_buffers, _created=True)
+                      group=group, broadcast_buffers=broadcast_buffers, device_ids=device_ids,
+                      output_device=output_device, _created=True)
         except (TypeError, ValueError, RuntimeError) as exc:
             # the other members are entering the broadcast of rank 0's state: they fail
             # at once (naming this) instead of at their timeout, and stay in step
