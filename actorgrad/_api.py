@@ -150,15 +150,14 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 
 async def _closing_workers(main: Coroutine[Any, Any, T]) -> T:
-    from .runtime import _current
-
-    before = list(_current._live_workers)  # (on a loop run again: not those of earlier code)
+    loop = asyncio.get_running_loop()
+    before = _current.live_on(loop)  # (on a loop run again: not those of earlier code)
     try:
         return await main
     finally:
-        loop = asyncio.get_running_loop()
-        for worker in [w for w in _current._live_workers if w.loop is loop and not w.closed and w not in before]:
-            await worker.shutdown(graceful=False)
+        for worker in _current.live_on(loop):
+            if worker not in before:
+                await worker.shutdown(graceful=False)
 
 
 class trace:  # noqa: N801 - used as `with ag.trace():`
@@ -196,11 +195,7 @@ class trace:  # noqa: N801 - used as `with ag.trace():`
                 with contextlib.suppress(Exception):
                     worker.tell(rank, "trace.set", message)
 
-        try:
-            on_loop = asyncio.get_running_loop() is worker.loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        if _current.on_loop(worker):
             tell_peers()
         else:  # a thread (a plain script, a remote function on the pool): the loop sends,
             # after what this thread sent before, so calls made in the block are recorded

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import numbers
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from ..runtime import get_worker
+from ..runtime._calls import check_timeout
 
 
 class ReduceOp(enum.Enum):
@@ -103,10 +103,7 @@ class Work:
         if timeout is None:
             await asyncio.shield(self._future)
         else:
-            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-                raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-            if not timeout >= 0:
-                raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+            check_timeout(timeout, meaning="")
             await asyncio.wait_for(asyncio.shield(self._future), timeout)
         return True
 

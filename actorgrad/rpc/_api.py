@@ -17,6 +17,7 @@ import torch
 
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..runtime._calls import check_timeout
+from ..runtime._current import on_loop
 from ..wire import Payload
 from . import _hooks
 from ._inline import InlinePolicy
@@ -26,13 +27,6 @@ _perf_counter = time.perf_counter
 _is_grad_enabled = torch.is_grad_enabled
 
 T = TypeVar("T")
-
-
-def _on_loop(worker: Worker) -> bool:
-    try:
-        return asyncio.get_running_loop() is worker.loop
-    except RuntimeError:
-        return False
 
 
 _INLINE_MAX_BYTES = 1 << 16
@@ -293,12 +287,12 @@ def rpc_async(
     if not callable(func):
         raise TypeError(f"rpc func must be callable, got {type(func).__name__}")
     worker = get_worker()
-    if not _on_loop(worker):
+    if not on_loop(worker):
         raise RuntimeError(
             "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
         )
     args, kwargs = call_arguments("rpc", args, kwargs, timeout)
-    _, reply = send_request(worker, to, "rpc.call", (func, args, dict(kwargs)), timeout, True)
+    _, reply = send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True)
     return reply
 
 
@@ -354,7 +348,7 @@ def remote(
         raise TypeError(f"remote func must be callable, got {type(func).__name__}")
     args, kwargs = call_arguments("remote", args, kwargs, timeout)
     worker = get_worker()
-    if not _on_loop(worker):
+    if not on_loop(worker):
         return run_sync(worker, _in_callers_grad_mode(
             lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout))),
             _answer_within(worker, timeout))

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -333,7 +334,7 @@ class RRef(Generic[T]):
         ``RRef.backward``: with a distributed autograd context id, a distributed
         backward started on the owner (read the gradients with ``get_gradients``);
         with -1, a local backward, on the owner only."""
-        if isinstance(dist_autograd_ctx_id, bool) or not isinstance(dist_autograd_ctx_id, int):
+        if isinstance(dist_autograd_ctx_id, bool) or not isinstance(dist_autograd_ctx_id, numbers.Integral):
             raise TypeError(f"dist_autograd_ctx_id must be an int, got {type(dist_autograd_ctx_id).__name__}")
         if not isinstance(retain_graph, bool):
             raise TypeError(f"retain_graph must be True or False, got {retain_graph!r}")
@@ -454,7 +455,8 @@ def _call_method(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
-def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any, timeout: float | None) -> RRef[Any]:
+def create_remote(worker: Worker, to: PeerRef, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  timeout: float | None) -> RRef[Any]:
     table = owner_table(worker)
     rref_id = table.new_id()
     owner = worker.resolve(to).id
@@ -470,7 +472,7 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: Any, kwargs: Any
         fork = None
     try:
         _, reply = _api.send_request(
-            worker, owner, "rref.create", (rref_id, fork, func, tuple(args or ()), dict(kwargs or {})), timeout
+            worker, owner, "rref.create", (rref_id, fork, func, args, kwargs), timeout
         )
     except BaseException:
         table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it

@@ -31,20 +31,21 @@ _REBUILD_SLACK = 1024  # stale heap entries tolerated beyond twice the pending c
 _ABANDONED_MAX = 4096  # calls given up on whose late replies are still unpickled
 
 
-def check_timeout(timeout: float | None) -> None:
+def check_timeout(timeout: float | None, meaning: str = " (0: no limit; None: RpcOptions.rpc_timeout)") -> None:
     """Refuse a per-call ``timeout`` that is neither None (the default), 0 (no limit)
-    nor a positive number of seconds.
+    nor a positive number of seconds; ``meaning`` says what 0 and None mean there.
 
     Raises:
+        TypeError: ``timeout`` is no number.
         ValueError: ``timeout`` is negative or NaN (which ``limit > 0`` would
             silently turn into "no limit").
     """
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(
-            f"timeout must be >= 0 seconds (0: no limit; None: RpcOptions.rpc_timeout), got {timeout!r}"
-        )
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds{meaning}, got {timeout!r}")
 
 
 class CallFuture(asyncio.Future[Any]):

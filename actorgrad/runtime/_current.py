@@ -37,10 +37,23 @@ def unregister(worker: Worker) -> None:
         _live_workers.remove(worker)
 
 
+def on_loop(worker: Worker) -> bool:
+    """Whether the calling code runs on ``worker``'s event loop (not a thread, not
+    another loop)."""
+    try:
+        return asyncio.get_running_loop() is worker.loop
+    except RuntimeError:
+        return False
+
+
+def live_on(loop: asyncio.AbstractEventLoop) -> list[Worker]:
+    """The workers running on ``loop``."""
+    return [w for w in _live_workers if not w.closed and w.loop is loop]
+
+
 def running_here(name: str) -> bool:
     """Whether a worker named ``name`` runs on the calling code's event loop."""
-    loop = asyncio.get_running_loop()
-    return any(not w.closed and w.loop is loop and w.name == name for w in _live_workers)
+    return any(w.name == name for w in live_on(asyncio.get_running_loop()))
 
 
 def get_worker() -> Worker:
