@@ -847,9 +847,13 @@ class Worker:
             for reply in await asyncio.gather(*replies, return_exceptions=True):
                 if not isinstance(reply, BaseException):
                     events.extend(reply.load())
-            events = in_lanes(events)
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-        return len(events)
+
+            def write() -> int:  # on the pool: a million events take seconds to arrange
+                arranged = in_lanes(events)
+                json.dump({"traceEvents": arranged, "displayTimeUnit": "ms"}, f)
+                return len(arranged)
+
+            return await self.run_blocking(write)
 
     # -- shutdown -------------------------------------------------------------------
     def _on_peer_done(self, peer: PeerProtocol, payload: Payload) -> None:
