@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import collections.abc
 import contextlib
 import contextvars
 import itertools
@@ -415,6 +416,19 @@ def check_context_id(context_id: Any) -> None:
         raise TypeError(
             f"context_id must be the int that autograd.context() yields, got {type(context_id).__name__}"
         )
+
+
+def root_tensors(roots: Any, what: str) -> list[torch.Tensor]:
+    """``roots`` (one tensor or a sequence of them) as a list, refusing anything else."""
+    if isinstance(roots, torch.Tensor):
+        return [roots]
+    if not isinstance(roots, collections.abc.Iterable):
+        raise TypeError(f"roots must be a tensor or a sequence of tensors, got {type(roots).__name__}")
+    roots = list(roots)
+    for root in roots:
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"{what} roots must be tensors, got {type(root).__name__}")
+    return roots
 
 
 def context_actor(worker: Worker | None = None) -> ContextActor:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import collections.abc
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
@@ -68,6 +67,7 @@ from ._context import (
     RecvRpcBackward,
     check_context_id,
     context_actor,
+    root_tensors,
 )
 from ._messages import (
     DESCRIBE,
@@ -892,16 +892,10 @@ async def backward(
     mode = mode or worker.options.autograd_mode
     if mode not in ("fast", "smart"):
         raise ValueError(f"mode must be 'fast' or 'smart', got {mode!r}")
-    if isinstance(roots, torch.Tensor):
-        roots = [roots]
-    if not isinstance(roots, collections.abc.Iterable):
-        raise TypeError(f"roots must be a tensor or a sequence of tensors, got {type(roots).__name__}")
-    roots = list(roots)
+    roots = root_tensors(roots, "backward")
     if not roots:
         raise ContextError("backward needs at least one root tensor")
     for root in roots:
-        if not isinstance(root, torch.Tensor):
-            raise TypeError(f"backward roots must be tensors, got {type(root).__name__}")
         if not root.requires_grad:
             raise ContextError("a backward root does not require grad and has no grad_fn")
         if root.numel() != 1:

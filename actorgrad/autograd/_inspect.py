@@ -20,7 +20,7 @@ import torch
 
 from ..runtime import Worker, get_worker, run_sync
 from ..wire import Payload
-from ._context import RecvRpcBackward, context_actor
+from ._context import RecvRpcBackward, context_actor, root_tensors
 from ._plan import make_plan
 
 _TARGET = "autograd.describe"
@@ -189,13 +189,7 @@ def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> GraphQuery:
     Pass ``roots`` (e.g. ``[loss]``) to include the part of this worker's graph that
     only the loss reaches.
     """
-    if isinstance(roots, torch.Tensor):
-        roots = (roots,)
-    roots = tuple(roots)
-    for root in roots:
-        if not isinstance(root, torch.Tensor):
-            raise TypeError(f"graph roots must be tensors, got {type(root).__name__}")
-    return GraphQuery(get_worker(), context_id, roots)
+    return GraphQuery(get_worker(), context_id, tuple(root_tensors(roots, "graph")))
 
 
 class GraphQuery(collections.abc.Coroutine):
