@@ -395,7 +395,7 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Gro
     if _backend is not None:
         g = Group(g.id, g.ranks, _backend)
     if act.worker.rank == src:
-        data = cloudpickle.dumps(object_list)
+        data = _pickled(act, g, "broadcast_object_list", object_list)
         size = torch.tensor([len(data)], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
@@ -418,14 +418,15 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Gro
 async def all_gather_object(object_list: list[Any], obj: Any, group: Group | None = None) -> None:
     """Gather the picklable ``obj`` of every member into ``object_list`` (one slot per
     member, in group rank order)."""
-    _, member, _ = _prepare(group, "all_gather_object")
+    act, member, _ = _prepare(group, "all_gather_object")
     if member is None:
         return  # not a member: the list stays as it is, as in torch
     g = member
     n = len(g.ranks)
-    if not isinstance(object_list, list) or len(object_list) != n:
-        raise ValueError(f"all_gather_object: object_list must be a list of {n} slots")
-    data = cloudpickle.dumps(obj)
+    with _refusal(act, g, "all_gather_object"):
+        if not isinstance(object_list, list) or len(object_list) != n:
+            raise ValueError(f"all_gather_object: object_list must be a list of {n} slots")
+    data = _pickled(act, g, "all_gather_object", obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
     await all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), g)
     longest = max(int(s.item()) for s in sizes)
@@ -440,6 +441,16 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Group | Non
 # ---------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------
+def _pickled(act: CollectiveActor, g: Group, what: str, obj: Any) -> bytes:
+    """``obj`` pickled for an object collective; when it cannot be, the other members'
+    part fails at once, naming the reason, as for a refused argument."""
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:
+        _refuse(act, g, what, TypeError(f"{what}: cannot pickle the objects: {exc}"))
+        raise
+
+
 def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | None, Any]:
     """The actor, the group (None for a non-member: warn, do nothing) and its backend."""
     act = actor()

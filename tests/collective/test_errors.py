@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,8 @@ async def test_group_still_works_after_a_failed_collective(make_group: object) -
     assert await run_all(group, body) == [2.0, 2.0]
 
 
-@pytest.mark.parametrize("case", ["scatter_list", "gather_list", "src", "tensor_list"])
+@pytest.mark.parametrize("case", ["scatter_list", "gather_list", "src", "tensor_list",
+                                  "object_broadcast", "object_gather"])
 async def test_arguments_refused_on_one_rank_fail_the_others_at_once(make_group: object, case: str) -> None:
     """Rank 1 alone passes a bad argument: it raises it, and the others raise
     CollectiveError naming it right away (not after the 60 s timeout); then the group's
@@ -189,6 +191,10 @@ async def test_arguments_refused_on_one_rank_fail_the_others_at_once(make_group:
                 await C.gather(t, [torch.zeros(4) for _ in range(3)] if rank in (0, 1) else None, dst=0)
             elif case == "src":
                 await C.broadcast(t, src=7 if bad else 0)
+            elif case == "object_broadcast":  # rank 1 is the source, of an unpicklable object
+                await C.broadcast_object_list([threading.Lock() if bad else None], src=1)
+            elif case == "object_gather":
+                await C.all_gather_object([None] * 3, threading.Lock() if bad else rank)
             else:
                 await C.all_gather([torch.zeros(4 if not bad else 5) for _ in range(3)], t)
             outcome = "ok"
