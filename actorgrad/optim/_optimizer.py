@@ -22,6 +22,7 @@ import torch
 
 from ..autograd import _context
 from ..rpc import RRef
+from ..rpc._api import pickling_for
 from ..runtime import Worker, get_worker
 from ..wire import Payload, TupleMessage
 
@@ -220,7 +221,9 @@ class DistributedOptimizer:
         for owner, rrefs in by_owner.items():
             message = CreateOptimizer(optimizer_id=self._id, optimizer_class=optimizer_class,
                                       params=tuple(rrefs), args=args, kwargs=kwargs)
-            fut = worker.call(owner, CreateOptimizer.TARGET, message.dump())
+            with pickling_for(owner):  # the RRefs go to their owner
+                payload = message.dump()
+            fut = worker.call(owner, CreateOptimizer.TARGET, payload)
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._created.append(fut)
 

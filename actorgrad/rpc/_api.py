@@ -10,7 +10,7 @@ import inspect
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -145,19 +145,27 @@ forks_made: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvar
     "actorgrad_forks_made", default=None)
 
 
-def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] | None = None) -> Payload:
-    """Pickle ``obj`` for ``dst``; the RRef forks it registers go into ``undo``, and are
-    taken back at once when pickling fails (an unpicklable argument beside an RRef)."""
+@contextlib.contextmanager
+def pickling_for(dst: int, undo: list[Callable[[], None]] | None = None) -> Iterator[None]:
+    """Within the block, what is pickled goes to rank ``dst``: RRefs may be pickled, and
+    the forks they register go into ``undo`` (taken back at once when the block fails:
+    an unpicklable argument beside an RRef)."""
     undo = [] if undo is None else undo
     token, forks_token = sending_to.set(dst), forks_made.set(undo)
     try:
-        return Payload.dump(obj, main_by_name=worker.same_program(dst))
+        yield
     except BaseException:
         _take_back(undo)
         raise
     finally:
         sending_to.reset(token)
         forks_made.reset(forks_token)
+
+
+def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] | None = None) -> Payload:
+    """Pickle ``obj`` for ``dst`` (see :func:`pickling_for`)."""
+    with pickling_for(dst, undo):
+        return Payload.dump(obj, main_by_name=worker.same_program(dst))
 
 
 def _take_back(undo: list[Callable[[], None]]) -> None:

@@ -3,7 +3,8 @@
 # Theory of operation
 The owner keeps each shared value in an :class:`OwnerTable` entry together with the set
 of live *forks*: one fork per user-side RRef object anywhere in the group. Every time an
-RRef is pickled (sent to any worker) a fresh fork id is minted and announced to the
+RRef is pickled (sent to any worker; only an RPC may pickle it, so the worker is known)
+a fresh fork id is minted and announced to the
 owner (``rref.add_fork``) *before* the pickled bytes leave; the unpickled copy
 announces its end with ``rref.del_fork`` when it is garbage-collected. (A copy sent to
 the owner itself needs no fork: it becomes an owner RRef there, and the sender's own
@@ -376,9 +377,25 @@ class RRef(Generic[T]):
         return worker
 
     # -- pickling: every copy is a new fork -----------------------------------------
+    def __copy__(self) -> RRef[T]:
+        return self  # a reference to one value: a copy of it is the same reference
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RRef[T]:
+        return self
+
     def __reduce__(self) -> Any:
         worker = self._live_worker()
-        if self._owner != worker.rank and _api.sending_to.get() == self._owner:
+        holder = _api.sending_to.get()  # where the pickled RRef goes
+        if holder is None:
+            # The owner must learn of every copy (a fork) and of the worker holding it;
+            # bytes made by pickle, torch.save or an object collective go who knows
+            # where, and as often as they are loaded. torch refuses them too.
+            raise TypeError(
+                f"{self!r} can only be pickled as part of an RPC (the arguments or result "
+                "of rpc_async, rpc_sync or remote): send it with an RPC, not with pickle, "
+                "torch.save or an object collective"
+            )
+        if self._owner != worker.rank and holder == self._owner:
             # To the owner itself (``rref.rpc_sync().method()``, an RRef argument of a
             # call to its owner): this RRef's own fork keeps the value alive until the
             # message arrives, since its release would travel after it on the same
@@ -387,7 +404,6 @@ class RRef(Generic[T]):
         table = owner_table(worker)
         fork = table.new_id()
         owner, rref_id = self._owner, self._id
-        holder = _api.sending_to.get()  # where the pickled RRef goes, when known
         if owner == worker.rank:
             assert self._value is not None
             table.entry_for(rref_id, self._value)

@@ -785,3 +785,33 @@ async def test_an_rref_does_not_outlive_its_group() -> None:
 
 async def _fetch(rref: ag.RRef[Any]) -> Any:
     return await rref.to_here()
+
+
+# --------------------------------------------------------------------------------------
+# pickling outside an RPC, and remote() arguments the owner cannot load
+
+
+async def test_an_rref_pickled_outside_an_rpc_is_refused_and_copies_are_itself(group2):
+    """The owner counts every copy an RPC sends; bytes from pickle or torch.save would
+    copy it without telling it (and hold the value forever): refused, as torch does.
+    copy and deepcopy give the same reference."""
+    import copy
+    import io
+    import pickle
+
+    remote_rref = ag.remote("worker1", make_tensor, args=(3,))
+    await remote_rref.to_here()
+    own = ag.RRef(torch.ones(2))
+    base1, base0 = (await debug_info("worker1"))["num_owner_rrefs"], ag.rref_debug_info()["num_owner_rrefs"]
+    for rref in (remote_rref, own):
+        with pytest.raises(TypeError, match="only be pickled as part of an RPC"):
+            pickle.dumps(rref)
+        with pytest.raises(TypeError, match="only be pickled as part of an RPC"):
+            torch.save({"r": rref}, io.BytesIO())
+        assert copy.copy(rref) is rref and copy.deepcopy({"r": [rref]})["r"][0] is rref
+    assert (await debug_info("worker1"))["num_forks"] == 1  # remote_rref's own, nothing else
+    del remote_rref, own
+    assert (await wait_owner_count("worker1", base1 - 1))["num_owner_rrefs"] == base1 - 1
+    gc.collect()
+    assert ag.rref_debug_info() == {"num_owner_rrefs": base0, "num_forks": 0}  # never shared
+
