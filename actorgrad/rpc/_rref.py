@@ -55,6 +55,7 @@ class _Entry:
 
 
 _EARLY_MAX = 4096
+_FAILED_MAX = 1024  # creations that failed before their value's id was read, remembered
 
 
 def _count_fork(entry: _Entry, added: bool, fork: ForkId, holder: int | None) -> None:
@@ -91,6 +92,7 @@ class OwnerTable:
         # that overtook its remote(), from a third worker) from one already freed.
         self._created_up_to: dict[int, int] = {}
         self._awaited: dict[RRefId, _Entry] = {}  # asked for before their creation came
+        self._failed: dict[RRefId, str] = {}  # not created: why (the latest _FAILED_MAX)
         worker.add_lost_listener(self._on_lost)
 
     def new_id(self) -> tuple[int, int]:
@@ -137,14 +139,27 @@ class OwnerTable:
             ))
         return waiting
 
-    def not_created(self, rref_id: RRefId) -> None:
-        """The remote() call of ``rref_id`` failed before its id was read here: it never
-        will be created, and nobody may wait for it."""
+    def not_created(self, rref_id: RRefId, reason: str) -> None:
+        """The remote() call of ``rref_id`` failed (``reason``), maybe before its id was
+        read here: then it never will be created, and nobody may wait for it."""
         self._came(rref_id)
+        if rref_id in self.entries and rref_id not in self._awaited:
+            return  # created after all: the function itself raised, its entry says so
+        if len(self._failed) >= _FAILED_MAX:
+            del self._failed[next(iter(self._failed))]
+        self._failed[rref_id] = reason
         if rref_id in self._awaited:
-            self._give_up(rref_id, RuntimeError(
-                f"RRef {rref_id} was never created on {self.worker.name}: its remote() call failed there"
-            ))
+            self._give_up(rref_id, self.missing(rref_id))
+
+    def missing(self, rref_id: RRefId) -> RuntimeError:
+        """The error for a use of ``rref_id`` here that ``find`` has no entry for."""
+        reason = self._failed.get(rref_id)
+        if reason is not None:
+            return RuntimeError(
+                f"RRef {rref_id} was never created on {self.worker.name}: its remote() call "
+                f"failed there ({reason})"
+            )
+        return RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {self.worker.name}")
 
     def _came(self, rref_id: RRefId) -> None:
         """The remote() call of ``rref_id`` reached this owner (created or not)."""
@@ -432,7 +447,7 @@ def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:
         table = owner_table(worker)
         entry = table.find(rref_id)
         if entry is None:
-            raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
+            raise table.missing(rref_id)
         value = entry.value
         if fork is not None:
             table.del_fork(rref_id, fork)
@@ -504,10 +519,11 @@ def _created_or_not(worker: Worker, owner: int, rref_id: RRefId, reply: asyncio.
     """The remote() call answered; its failure surfaces on the RRef's next use. One the
     owner refused before reading which value it creates (arguments it cannot unpickle)
     never reached its table: tell it, so that nobody there waits for that value."""
-    if reply.cancelled() or not isinstance(reply.exception(), RemoteError):
+    if reply.cancelled() or not isinstance(exc := reply.exception(), RemoteError):
         return
+    reason = f"{exc.remote_type}: {exc.remote_message}"
     with contextlib.suppress(Exception):  # the owner is gone: nobody waits there either
-        worker.tell(owner, "rref.not_created", Payload.dump(rref_id))
+        worker.tell(owner, "rref.not_created", Payload.dump((rref_id, reason[:500])))
 
 
 def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseException) -> BaseException:
@@ -575,7 +591,7 @@ def install_handlers(worker: Worker) -> None:
         _hooks.current().on_receive(worker, meta, payload, peer.rank)
         entry = table.find(tuple(rref_id))
         if entry is None:
-            raise RuntimeError(f"RRef {rref_id} is not (or no longer) owned by {worker.name}")
+            raise table.missing(tuple(rref_id))
 
         async def reply() -> Payload:
             with _hooks.current().scope(worker, meta):
@@ -594,7 +610,11 @@ def install_handlers(worker: Worker) -> None:
 
     worker.register("rref.create", create)
     worker.register("rref.fetch", fetch)
-    worker.register("rref.not_created",
-                    lambda peer, payload: table.not_created(tuple(payload.load())), tell_only=True)
+
+    def not_created(peer: Any, payload: Payload) -> None:
+        rref_id, reason = payload.load()
+        table.not_created(tuple(rref_id), str(reason))
+
+    worker.register("rref.not_created", not_created, tell_only=True)
     worker.register("rref.add_fork", add_fork, tell_only=True)
     worker.register("rref.del_fork", del_fork, tell_only=True)

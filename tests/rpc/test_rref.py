@@ -815,3 +815,24 @@ async def test_an_rref_pickled_outside_an_rpc_is_refused_and_copies_are_itself(g
     gc.collect()
     assert ag.rref_debug_info() == {"num_owner_rrefs": base0, "num_forks": 0}  # never shared
 
+
+class LoadsNowhere:
+    """Pickles fine, fails to load (like an object of a module the callee lacks)."""
+
+    def __reduce__(self) -> Any:
+        return (_fail_to_load, ())
+
+
+def _fail_to_load() -> None:
+    raise OSError("cannot be rebuilt here")
+
+
+async def test_remote_whose_arguments_the_owner_cannot_load_says_why_on_every_use(group3):
+    rref = ag.remote("worker1", make_tensor, args=(LoadsNowhere(),))
+    with pytest.raises(ag.RemoteError, match="cannot be rebuilt here"):
+        await rref._creation
+    for use in (rref.to_here(), rref.rpc_async().sum(),
+                ag.rpc_async("worker2", fetch_and_sum, args=(rref,))):
+        with pytest.raises(ag.RemoteError) as info:
+            await use
+        assert "never created on worker1" in str(info.value) and "cannot be rebuilt here" in str(info.value)
