@@ -71,7 +71,7 @@ async def run_user_function(
     return await _resolved(value) if _pending(value) else value
 
 
-_TorchFuture = torch.futures.Future
+_TorchFuture = torch._C.Future  # (then() and collect_all() make these, not torch.futures.Future)
 
 
 def _pending(value: Any) -> bool:
@@ -88,12 +88,12 @@ async def _resolved(value: Any) -> Any:
     return value
 
 
-def _torch_future_value(future: torch.futures.Future[Any]) -> asyncio.Future[Any]:
+def _torch_future_value(future: torch._C.Future[Any]) -> asyncio.Future[Any]:
     """An asyncio future of ``future``'s value; it may be completed on any thread."""
     loop = asyncio.get_running_loop()
     waiter: asyncio.Future[Any] = loop.create_future()
 
-    def settle(done: torch.futures.Future[Any]) -> None:
+    def settle(done: torch._C.Future[Any]) -> None:
         if waiter.done():
             return
         try:
@@ -101,7 +101,7 @@ def _torch_future_value(future: torch.futures.Future[Any]) -> asyncio.Future[Any
         except BaseException as exc:  # the future's own error, as torch raises it
             waiter.set_exception(exc)
 
-    def completed(done: torch.futures.Future[Any]) -> None:
+    def completed(done: torch._C.Future[Any]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(settle, done)
 

@@ -646,6 +646,21 @@ async def test_a_returned_torch_future_is_waited_for_as_in_torch(group2):
         assert isinstance(outcome, ag.RemoteError) and "a NaN in the batch" in str(outcome)
     x = torch.rand(3)
     assert torch.equal(await ag.rpc_async("worker1", add_soon, args=(x,)), x + 1)
+    # then() and collect_all() make torch._C.Future objects, not torch.futures.Future
+    then, collected = await asyncio.wait_for(asyncio.gather(
+        ag.rpc_async("worker1", chained_soon, args=(x,)),
+        ag.rpc_async("worker1", collected_soon, args=(x,))), 10)
+    assert torch.equal(then, x + 2)
+    assert torch.equal(collected, 2 * x + 2)
+
+
+async def chained_soon(x: torch.Tensor) -> torch.futures.Future:
+    return (await add_soon(x)).then(lambda done: done.wait() + 1)
+
+
+async def collected_soon(x: torch.Tensor) -> torch.futures.Future:
+    both = torch.futures.collect_all([await add_soon(x), await add_soon(x)])
+    return both.then(lambda done: sum(f.wait() for f in done.wait()))
 
 
 async def test_rpc_sync_from_a_thread_while_the_loops_thread_is_blocked(group2):
