@@ -28,6 +28,11 @@ def set_default(worker: Worker | None) -> None:
         _default.append(worker)
 
 
+def default() -> Worker | None:
+    """The worker set by :func:`set_default`, if any."""
+    return _default[0] if _default else None
+
+
 def register(worker: Worker) -> None:
     _live_workers.append(worker)
 

@@ -82,7 +82,8 @@ class InProcessGroup:
 def _forget(workers: list[Worker]) -> None:
     """After a group's shutdown: this context and the process default no longer point
     at its workers (a group started next would keep them alive through its context)."""
-    _current.set_default(None)
+    if _current.default() in (None, *workers):
+        _current.set_default(None)
     if _current.current_worker.get() in workers:
         _current.current_worker.set(None)
 
@@ -131,6 +132,7 @@ class LocalGroup:
         self.processes = processes
         self.logdir = logdir
         self.killed: set[int] = set()  # ranks ended on purpose by kill()
+        self.worker: Worker | None = None  # this process's worker0, once the group formed
 
     @property
     def pids(self) -> list[int]:
@@ -149,14 +151,14 @@ class LocalGroup:
         return ""
 
     async def shutdown(self, graceful: bool = True, timeout: float = 20.0) -> None:
-        """Shut worker0 down (the others follow), then make sure every process ended."""
-        worker = _current.maybe_worker()
+        """Shut worker0 down (the others follow), then make sure every process ended.
+        A group shut down already is left as it is (a notebook cell run twice must not
+        end a group started since)."""
+        worker = self.worker
         if worker is not None and not worker.closed:
             await worker.shutdown(graceful=graceful, timeout=timeout)
         if worker is not None:
             _forget([worker])
-        else:
-            _current.set_default(None)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a child
@@ -250,7 +252,8 @@ async def local_group(
         raise
     finally:
         watcher.cancel()
-    _current.set_default(_current.current_worker.get())
+    group.worker = _current.current_worker.get()
+    _current.set_default(group.worker)
     _unfinished.add(group)
     return group
 

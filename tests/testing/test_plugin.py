@@ -180,6 +180,21 @@ async def test_local_group_keeps_logs_only_of_workers_that_failed_on_their_own()
     shutil.rmtree(crashed.logdir)
 
 
+async def test_shutting_down_a_group_again_leaves_the_group_started_since() -> None:
+    """A notebook's shutdown cell run twice, with a new group started in between."""
+    import actorgrad as ag
+    from actorgrad.testing import local_group
+
+    old = await local_group(2)
+    await old.shutdown()
+    new = await local_group(2)
+    try:
+        await old.shutdown()
+        assert await ag.rpc_async("worker1", max, args=(1, 2), timeout=10) == 2
+    finally:
+        await new.shutdown()
+
+
 def _options_here() -> tuple[float, bool, bool]:
     from actorgrad.runtime import get_worker
 
