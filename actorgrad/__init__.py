@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what the names below are; at run time they load on first us
     from ._errors import ContextError as ContextError
     from ._errors import ProtocolError as ProtocolError
     from ._errors import RemoteError as RemoteError
+    from ._errors import RendezvousTimeout as RendezvousTimeout
     from ._errors import RpcTimeout as RpcTimeout
     from ._errors import WorkerLost as WorkerLost
     from .autograd import backward as dist_backward
@@ -52,8 +53,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "shutdown", "trace")},
     **{name: ("._errors", name) for name in (
         "ActorgradError", "ActorgradInternalError", "AuthenticationError", "CollectiveError",
-        "CollectiveRankLost", "ContextError", "ProtocolError", "RemoteError", "RpcTimeout",
-        "WorkerLost")},
+        "CollectiveRankLost", "ContextError", "ProtocolError", "RemoteError", "RendezvousTimeout",
+        "RpcTimeout", "WorkerLost")},
     **{name: (".rpc", name) for name in ("RRef", "remote", "rpc_async", "rpc_sync")},
     **{name: (".runtime", name) for name in ("RpcOptions", "WorkerInfo")},
     "dist_backward": (".autograd", "backward"),
@@ -104,6 +105,7 @@ __all__ = (
     "ProtocolError",
     "RRef",
     "RemoteError",
+    "RendezvousTimeout",
     "RpcOptions",
     "RpcTimeout",
     "WorkerInfo",

@@ -72,6 +72,11 @@ class RpcTimeout(ActorgradError, TimeoutError):
     """
 
 
+class RendezvousTimeout(ActorgradError, TimeoutError):
+    """The group did not form within ``RpcOptions.init_timeout``; the message names the
+    ranks that did not arrive (or connect)."""
+
+
 class WorkerLost(ActorgradError, ConnectionError):
     """The peer died or its connection broke; raised for every call outstanding to it."""
 

@@ -2,8 +2,13 @@
 
 A tiny key-value store that speaks JSON lines, never pickle (it runs before any
 authentication). ``env://`` and ``tcp://HOST:PORT`` use a TCP store hosted by rank 0;
-``file:///path`` uses a shared file guarded by ``flock``. Workers publish their listening
-address under ``worker/<rank>`` and wait until every rank has published.
+``file:///path`` uses a shared file guarded by ``flock``; under torchrun, ``env://`` uses
+the store its agent already hosts on ``MASTER_PORT`` (as torch's own env:// does).
+Workers publish their listening address under ``worker/<rank>`` and wait until every
+rank has published.
+
+Waits are answered at least every ``POLL_S`` with what is there so far, so a worker
+that waits knows which ranks are missing (and sees a wrong world size) at any time.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import urllib.parse
 from typing import Any
 
 _MAX_LINE = 1 << 16
+POLL_S = 0.5  # a wait is answered at least this often with the entries so far
 _MAX_BYTES = 16 << 20  # what the store keeps in all: a few short entries per worker
 
 
@@ -67,8 +73,9 @@ class StoreServer:
                     reply = {"ok": False, "value": self._data[key]}
                 elif op == "wait_prefix":
                     count = int(request["count"])
-                    while len(items := self._items(key)) < count:
-                        if not await self._changed_or_gone(reader):
+                    until = time.monotonic() + min(float(request.get("timeout", POLL_S)), POLL_S)
+                    while len(items := self._items(key)) < count and (left := until - time.monotonic()) > 0:
+                        if not await self._changed_or_gone(reader, left):
                             return  # the client hung up while it waited: free its socket
                     reply = {"items": items}
                 else:
@@ -87,13 +94,13 @@ class StoreServer:
             self._clients.discard(writer)
             writer.close()
 
-    async def _changed_or_gone(self, reader: asyncio.StreamReader) -> bool:
-        """Wait for a change of the data; False if the client hung up (or, against the
-        protocol, sent more while it waits) first."""
+    async def _changed_or_gone(self, reader: asyncio.StreamReader, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a change of the data; False if the client hung up
+        (or, against the protocol, sent more while it waits) first."""
         changed = asyncio.ensure_future(self._changed.wait())
         gone = asyncio.ensure_future(reader.read(1))
         try:
-            done, _ = await asyncio.wait({changed, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({changed, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             changed.cancel()
             gone.cancel()
@@ -150,7 +157,9 @@ class TcpStore:
         return None if reply.get("ok") else str(reply.get("value"))
 
     async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
-        reply = await self._request({"op": "wait_prefix", "key": prefix, "count": count})
+        """The entries under ``prefix`` once there are ``count``, or those there are
+        after a while (``POLL_S``)."""
+        reply = await self._request({"op": "wait_prefix", "key": prefix, "count": count, "timeout": POLL_S})
         items: dict[str, str] = reply["items"]
         return items
 
@@ -197,9 +206,11 @@ class FileStore:
         return None
 
     async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
+        """As :meth:`TcpStore.wait_prefix`."""
+        until = time.monotonic() + POLL_S
         while True:
             items = {k: v for k, v in self._read().items() if k.startswith(prefix)}
-            if len(items) >= count:
+            if len(items) >= count or time.monotonic() >= until:
                 return items
             await asyncio.sleep(0.02)
 
@@ -207,7 +218,66 @@ class FileStore:
         pass
 
 
-Store = TcpStore | FileStore
+class TorchAgentStore:
+    """The store torchrun's agent hosts on ``MASTER_PORT``, through torch's TCPStore
+    client, under a prefix of ours per restart of the job (its keys outlive a restart).
+
+    Its calls block, so they run in a thread; keys are ``<prefix><rank>`` for ranks
+    below the world size, which is all a wait has to look for."""
+
+    def __init__(self, host: str, port: int, world_size: int) -> None:
+        self.host, self.port, self.world_size = host, port, world_size
+        self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store: Any = None
+
+    def _key(self, key: str) -> str:
+        return f"actorgrad/attempt_{self._attempt}/{key}"
+
+    async def connect(self, deadline: float) -> None:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            self._store = await asyncio.to_thread(
+                TCPStore, self.host, self.port, is_master=False,
+                timeout=datetime.timedelta(seconds=left), wait_for_workers=False,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise TimeoutError(f"could not reach torchrun's store at {self.host}:{self.port}: {exc}") from exc
+
+    async def set(self, key: str, value: str) -> None:
+        await asyncio.to_thread(self._store.set, self._key(key), value)
+
+    async def claim(self, key: str, value: str) -> str | None:
+        held = await asyncio.to_thread(self._store.compare_set, self._key(key), "", value)
+        held = held.decode() if isinstance(held, bytes) else str(held)
+        return None if held == value else held
+
+    async def wait_prefix(self, prefix: str, count: int) -> dict[str, str]:
+        until = time.monotonic() + POLL_S
+        keys = [f"{prefix}{rank}" for rank in range(self.world_size)]
+        while True:
+            items = await asyncio.to_thread(self._present, keys)
+            if len(items) >= count or time.monotonic() >= until:
+                return items
+            await asyncio.sleep(0.02)
+
+    def _present(self, keys: list[str]) -> dict[str, str]:
+        store = self._store
+        return {k: store.get(self._key(k)).decode() for k in keys if store.check([self._key(k)])}
+
+    async def close(self) -> None:
+        self._store = None
+
+
+Store = TcpStore | FileStore | TorchAgentStore
+
+
+def torchrun_store() -> bool:
+    """Whether torchrun's agent hosts a store on ``MASTER_PORT`` for env://."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def parse_init_method(
@@ -224,7 +294,10 @@ def parse_init_method(
     url = urllib.parse.urlparse(method)
     if url.scheme == "env":
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        return "tcp", host, _env_int("MASTER_PORT"), rank, world_size
+        port = _env_int("MASTER_PORT", "set MASTER_ADDR and MASTER_PORT, or pass init_method")
+        if not 0 < port < 65536:
+            raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+        return "torch" if torchrun_store() else "tcp", host, port, rank, world_size
     if url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise ValueError(f"init_method {method!r} needs tcp://HOST:PORT")
@@ -236,12 +309,11 @@ def parse_init_method(
     raise ValueError(f"unsupported init_method {method!r}: use env://, tcp://HOST:PORT or file:///path")
 
 
-def _env_int(name: str) -> int:
+def _env_int(name: str, fix: str = "pass rank/world_size to init_rpc") -> int:
     value = os.environ.get(name)
     if value is None:
         raise ValueError(
-            f"{name} is not set: pass rank/world_size to init_rpc, or start the script "
-            "with `actorgrad launch` or torchrun"
+            f"{name} is not set: {fix}, or start the script with `actorgrad launch` or torchrun"
         )
     try:
         return int(value)

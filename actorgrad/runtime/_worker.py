@@ -33,6 +33,7 @@ from .._errors import (
     AuthenticationError,
     ProtocolError,
     RemoteError,
+    RendezvousTimeout,
     RpcTimeout,
     WorkerLost,
 )
@@ -55,7 +56,15 @@ from . import _current, _local
 from ._calls import CallFuture, PendingCalls, check_timeout
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool, raised_in_pool
-from ._rendezvous import FileStore, Store, StoreServer, TcpStore, parse_init_method
+from ._rendezvous import (
+    POLL_S,
+    FileStore,
+    Store,
+    StoreServer,
+    TcpStore,
+    TorchAgentStore,
+    parse_init_method,
+)
 from ._trace import Tracer, in_lanes, now_us
 from ._transport import LoopbackPeer, PeerProtocol
 
@@ -257,7 +266,7 @@ class Worker:
                 self._unix_endpoint = unix_endpoint(local[1])
         advertise = opts.advertise_host or opts.listen_host
         if advertise in ("0.0.0.0", "::", ""):
-            advertise = host if scheme == "tcp" else socket.gethostname()
+            advertise = host if scheme in ("tcp", "torch") else socket.gethostname()
         # what we publish is what peers dial: the handshake binds it (see _connection)
         self._tcp_endpoint = tcp_endpoint(advertise, listen_port)
         try:
@@ -271,6 +280,8 @@ class Worker:
                             f"rank 0 cannot host the rendezvous on {host}:{port}: {exc}"
                         ) from exc
                 self._store = TcpStore(host, port)
+            elif scheme == "torch":
+                self._store = TorchAgentStore(host, port, self.world_size)
             else:
                 self._store = FileStore(host)
             await self._store.connect(deadline)
@@ -280,16 +291,17 @@ class Worker:
                 if rank != self.rank:
                     self._peer_waiters[rank] = self.loop.create_future()
             me: dict[str, Any] = {"name": self.name, "host": advertise, "port": listen_port,
-                                  "program": self.program}
+                                  "program": self.program, "world_size": self.world_size}
             if local is not None:
                 me["local"] = [local[1], _local.host_identity()]
-            held = await self._store.claim(f"worker/{self.rank}", json.dumps(me))
+            held = await self._until(deadline, self._store.claim(f"worker/{self.rank}", json.dumps(me)),
+                                     "the rendezvous store to answer")
             if held is not None:
                 raise ValueError(
                     f"rank {self.rank} is already taken in this group (by worker "
                     f"{_entry_name(held)!r}); every worker needs a rank of its own"
                 )
-            entries = await self._until(deadline, self._store.wait_prefix("worker/", self.world_size), "all workers to join the rendezvous")
+            entries = await self._wait_entries(deadline, "worker/", "all workers to join the rendezvous")
             addresses: dict[int, tuple[str, int]] = {}
             local_addresses: dict[int, Any] = {}
             for key, value in entries.items():
@@ -307,10 +319,12 @@ class Worker:
                     proto.abort(ProtocolError(f"peer {proto.name!r} is not rank {rank}'s worker"))
             # Lower ranks accept, higher ranks connect: exactly one connection per pair.
             connects = [self._connect(addresses[r], local_addresses[r]) for r in self.infos if r < self.rank]
-            await self._until(deadline, asyncio.gather(*connects), "connections to lower ranks")
-            await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect")
-            await self._store.set(f"ready/{self.rank}", "1")
-            await self._until(deadline, self._store.wait_prefix("ready/", self.world_size), "every worker to be ready")
+            await self._until(deadline, asyncio.gather(*connects), "connections to lower ranks",
+                              self._not_connected)
+            await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect",
+                              self._not_connected)
+            await self._until(deadline, self._store.set(f"ready/{self.rank}", "1"), "the rendezvous store to answer")
+            await self._wait_entries(deadline, "ready/", "every worker to be ready")
         except BaseException as exc:
             # a wrong set-up (duplicate names, ...) is seen by every worker once it read
             # the roster: the rendezvous host waits a moment for them to read it
@@ -331,13 +345,60 @@ class Worker:
         self._heartbeat_task = self.loop.create_task(self._heartbeats(), context=self._context.copy())
         _current.register(self)
 
-    async def _until(self, deadline: float, aw: Awaitable[Any], what: str) -> Any:
+    async def _until(self, deadline: float, aw: Awaitable[Any], what: str,
+                     missing: Callable[[], list[int]] | None = None) -> Any:
         try:
             return await asyncio.wait_for(aw, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            raise TimeoutError(
-                f"{self.name}: timed out after {self.options.init_timeout}s waiting for {what}"
-            ) from None
+            raise self._rendezvous_timeout(what, missing() if missing is not None else []) from None
+
+    def _rendezvous_timeout(self, what: str, missing: list[int]) -> RendezvousTimeout:
+        text = f"{self.name}: timed out after {self.options.init_timeout}s waiting for {what}"
+        if missing:
+            names = [f"rank {r} ({self.infos[r].name})" if r in self.infos else f"rank {r}" for r in missing]
+            text += f"; still missing: {', '.join(names)}"
+        return RendezvousTimeout(text)
+
+    def _not_connected(self) -> list[int]:
+        return sorted(r for r, waiter in self._peer_waiters.items() if not waiter.done())
+
+    async def _wait_entries(self, deadline: float, prefix: str, what: str) -> dict[str, str]:
+        """The store's entries under ``prefix`` once every rank wrote one. The store
+        answers every little while with those there so far: a roster entry of another
+        group (another world size) fails at once, and a timeout names who is missing."""
+        items: dict[str, str] = {}
+
+        def missing() -> list[int]:
+            there = {key[len(prefix):] for key in items}
+            return [r for r in range(self.world_size) if str(r) not in there]
+
+        while True:
+            # (the store answers within POLL_S: a wait begun just before the deadline
+            # may end just after it, with who is there)
+            items = await self._until(deadline + 2 * POLL_S,
+                                      self._store.wait_prefix(prefix, self.world_size),  # type: ignore[union-attr]
+                                      what, missing)
+            if prefix == "worker/":
+                self._check_roster(items)
+            if len(items) >= self.world_size:
+                return items
+            if time.monotonic() >= deadline:
+                raise self._rendezvous_timeout(what, missing())
+
+    def _check_roster(self, entries: dict[str, str]) -> None:
+        """Refuse a roster with a worker started for another world size or rank range."""
+        for key, value in entries.items():
+            try:
+                entry, rank = json.loads(value), int(key.split("/", 1)[1])
+                size = entry.get("world_size", self.world_size)
+            except (ValueError, TypeError, AttributeError):
+                continue  # (a malformed entry fails where the roster is read)
+            if size != self.world_size or not 0 <= rank < self.world_size:
+                raise ValueError(
+                    f"world_size mismatch: worker {entry.get('name')!r} (rank {rank}) was started "
+                    f"with world_size {size}, {self.name} with {self.world_size}; every worker "
+                    "of a group needs the same world_size"
+                )
 
     async def _connect(self, address: tuple[str, int], local: Any) -> None:
         """Connect to a lower rank: through its Unix socket when it runs on this host

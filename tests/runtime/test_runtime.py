@@ -309,6 +309,47 @@ async def test_duplicate_rank_is_refused_and_the_group_forms_without_it(tmp_path
     await _check_group([results[0], joined[0]], ["w0", joined[0].name])
 
 
+async def test_a_world_size_mismatch_fails_fast_on_every_rank(spawn):
+    """Ranks started with different world sizes: each names the mismatch at once
+    (it used to form a group whose workers could not reach each other)."""
+    method = f"tcp://127.0.0.1:{free_port()}"
+    options = ag.RpcOptions(init_timeout=20)
+    specs = [{"name": f"w{rank}", "rank": rank, "world_size": size, "init_method": method, "options": options}
+             for rank, size in ((0, 3), (1, 2), (2, 3))]
+    start = time.monotonic()
+    results = await spawn(specs, timeout=25)
+    assert time.monotonic() - start < 10
+    for result in results:
+        assert isinstance(result, ValueError) and "world_size mismatch" in str(result), result
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+async def test_a_rendezvous_timeout_names_the_missing_ranks(tmp_path, spawn, scheme):
+    method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 's'}"
+    options = ag.RpcOptions(init_timeout=1.5)
+    specs = [{"name": f"w{rank}", "rank": rank, "world_size": 3, "init_method": method, "options": options}
+             for rank in (0, 2)]
+    results = await spawn(specs, timeout=10)
+    for result in results:
+        assert isinstance(result, ag.RendezvousTimeout) and isinstance(result, TimeoutError), result
+        assert "still missing: rank 1" in str(result) and "rank 0" not in str(result), result
+
+
+async def test_a_rendezvous_port_that_never_answers_times_out(spawn):
+    """Something else listens on the port (and never answers): init_timeout holds."""
+    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        specs = [{"name": "w1", "rank": 1, "world_size": 2, "init_method": f"tcp://127.0.0.1:{port}",
+                  "options": ag.RpcOptions(init_timeout=1.5)}]
+        start = time.monotonic()
+        (result,) = await spawn(specs, timeout=10)
+        assert time.monotonic() - start < 5
+        assert isinstance(result, ag.RendezvousTimeout), result
+    finally:
+        server.close()
+
+
 async def test_duplicate_name_on_same_loop(group2):
     with pytest.raises(ag.ActorgradError, match="worker0"):
         await ag.init_rpc(
@@ -1136,3 +1177,16 @@ async def test_local_group_and_export_trace_refuse_arguments_they_cannot_use():
         await ag.local_group(2, options={"rpc_timeout": 1})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="path must be a file path"):
         await ag.export_trace(5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("port", "match"), [(None, "MASTER_PORT is not set: set MASTER_ADDR and MASTER_PORT"),
+                                             ("70000", "not a TCP port"), ("0", "not a TCP port")])
+async def test_env_init_names_what_is_wrong_with_master_port(monkeypatch, port, match):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if port is None:
+        monkeypatch.delenv("MASTER_PORT", raising=False)
+    else:
+        monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(ValueError, match=match):
+        await ag.init_rpc("w0", options=ag.RpcOptions(init_timeout=2))
