@@ -209,6 +209,7 @@ class CollectiveActor:
             try:
                 op.start()
                 if early:
+                    early.sort(key=lambda message: message[1] != _ops.K_FAIL)  # a failure wins
                     for message in early:
                         if op.done:
                             break
@@ -240,10 +241,17 @@ class CollectiveActor:
         now = self.loop.time()
         for op in list(self._ops.values()):
             if op.deadline is not None and now >= op.deadline:
-                op.fail(CollectiveError(
+                error = CollectiveError(
                     f"{op.what()} timed out after {self.deadline()}s on rank {self.worker.rank} "
                     f"waiting for {op.waiting_for()} (did every member of the group call it?)"
-                ))
+                )
+                op.fail(error)
+                # a member that comes late must not complete it with what this rank sent
+                # before it gave up: one rank would take a step the others did not
+                text = str(error).encode()
+                for r in op.members:
+                    if r != self.worker.rank:
+                        _ops.send_fail(self.worker, r, op.gid, op.seq, text)
         if self._ops and not self.closed:
             limit = self.deadline() or 1.0
             self._sweeper = self.loop.call_later(min(1.0, max(0.02, limit / 4)), self._sweep)

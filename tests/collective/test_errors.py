@@ -129,6 +129,33 @@ async def _set_timeout(rank: int) -> None:
     await C.init_process_group(timeout=0.3)
 
 
+@pytest.mark.parametrize("numel", [1, 3000, 300_000], ids=["arena", "direct", "ring"])
+async def test_a_rank_that_timed_out_fails_the_late_rank_too(make_group: object, numel: int) -> None:
+    """Rank 1 gives up on an all-reduce rank 0 comes to late: rank 0's call must fail too
+    (it used to complete with rank 1's contribution, so one rank took a step the other
+    did not), and the group's next collectives pair up alike on both."""
+    group: InProcessGroup = await make_group(2)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+
+    async def body(rank: int) -> tuple[str, float]:
+        if rank == 0:
+            await asyncio.sleep(0.8)  # past rank 1's deadline
+        try:
+            await C.all_reduce(torch.ones(numel))
+            outcome = "ok"
+        except CollectiveError as exc:
+            outcome = f"CollectiveError: {exc}"
+        await asyncio.sleep(0.6 if rank == 1 else 0.0)  # both come to the next one in time
+        after = torch.full((numel,), float(rank + 1))
+        await C.all_reduce(after)
+        return outcome, after[0].item()
+
+    results = await run_all(group, body, timeout=30)
+    for outcome, after in results:
+        assert outcome.startswith("CollectiveError") and "timed out" in outcome, results
+        assert after == 3.0, results
+
+
 async def test_a_local_failure_inside_a_collective_fails_the_others_at_once(
         make_group: object, monkeypatch: pytest.MonkeyPatch) -> None:
     # an unexpected error while rank 0 starts its part (a bug, a memory error, ...):
