@@ -381,6 +381,14 @@ class DistributedDataParallel(nn.Module):
                 "a backward of this DistributedDataParallel module is running already (its "
                 "own, or another wrapper's whose loss reaches its parameters)"
             )
+        # One backward of this worker's wrappers at a time (per group): the collectives
+        # of two at once would pair up across ranks in the order their hooks fire,
+        # averaging one model's buckets with the other's.
+        async with _backward_lock(self._worker, self.group):
+            await self._backward(loss, gradient, retain_graph)
+
+    async def _backward(self, loss: torch.Tensor, gradient: torch.Tensor | None,
+                        retain_graph: bool | None) -> None:
         # in no_sync() this one's gradients stay local, but those of other wrappers the
         # loss reaches are averaged still
         own = [self] if self.require_backward_grad_sync else []
@@ -464,8 +472,7 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._active = False
             self._armed = False
-        self._write_grads(global_used)
-        self._unused = []
+        self._write_grads(global_used)  # (_unused holds until the next forward, as torch's)
         if self.broadcast_buffers:
             buffers = list(self.module.buffers())
             if buffers:
@@ -582,6 +589,16 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
 # every wrapper of a worker, in creation order (the same on every rank)
 _wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
     weakref.WeakKeyDictionary())
+_backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
+
+
+def _backward_lock(worker: Worker, group: Any) -> asyncio.Lock:
+    locks = _backward_locks.setdefault(worker, {})
+    key = None if group is None else group.id
+    lock = locks.get(key)
+    if lock is None:
+        lock = locks[key] = asyncio.Lock()
+    return lock
 
 
 def _reached_leaves(outputs: list[torch.Tensor]) -> set[int]:

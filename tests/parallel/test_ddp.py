@@ -639,3 +639,59 @@ async def test_create_refused_on_one_rank_fails_the_others_at_once(make_group: A
     assert fail1 == "TypeError: bucket_cap_mb must be a number of MiB, got str"
     assert fail0.startswith("CollectiveError") and "bucket_cap_mb must be a number of MiB" in fail0
     assert sum0 == sum1 == 3.0
+
+
+async def test_two_wrappers_backward_at_once_average_each_their_own(make_group: Any) -> None:
+    """asyncio.gather of two wrappers' backward (same shapes, same group): their
+    all-reduces used to pair in the order hooks fired, mixing the two models."""
+    group: InProcessGroup = await make_group(2)
+
+    def local_grads(seed: int) -> list[torch.Tensor]:
+        shards = []
+        for rank in range(2):
+            model = mlp(seed)
+            nn.functional.mse_loss(model(X[4 * rank : 4 * rank + 4]), Y[4 * rank : 4 * rank + 4]).backward()
+            shards.append([p.grad for p in model.parameters()])
+        return [(a + b) / 2 for a, b in zip(*shards, strict=True)]
+
+    async def body(rank: int) -> list[list[torch.Tensor]]:
+        a, b = mlp(1), mlp(2)
+        da, db = await DDP.create(a, bucket_cap_mb=1e-4), await DDP.create(b, bucket_cap_mb=1e-4)
+        shard = slice(4 * rank, 4 * rank + 4)
+        steps = []
+        for _ in range(6):  # (how the hooks of the two interleave varies)
+            a.zero_grad(set_to_none=True)
+            b.zero_grad(set_to_none=True)
+            la = nn.functional.mse_loss(da(X[shard]), Y[shard])
+            lb = nn.functional.mse_loss(db(X[shard]), Y[shard])
+            await asyncio.gather(da.backward(la), db.backward(lb))
+            steps.append([p.grad for p in a.parameters()] + [p.grad for p in b.parameters()])
+        return steps
+
+    want = local_grads(1) + local_grads(2)
+    for steps in await run_all(group, body):
+        for got in steps:
+            for g, w in zip(got, want, strict=True):
+                assert_close(g, w)
+
+
+async def test_find_unused_second_backward_of_one_forward_leaves_unused_grads_none(make_group: Any) -> None:
+    """Two losses of one forward (retain_graph): the unused branch stays without a
+    gradient in the second backward too, as in torch (it used to get zeros)."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> list[bool]:
+        torch.manual_seed(0)
+        model = Branchy()
+        ddp = await DDP.create(model, find_unused_parameters=True)
+        out = ddp(X[:4], False)
+        await ddp.backward(out.sum(), retain_graph=True)
+        await ddp.backward((out * out).sum())
+        return [p.grad is None for p in model.parameters()]
+
+    results = await run_all(group, body)
+    torch.manual_seed(0)
+    reference = Branchy()
+    reference(X[:4], False).sum().backward()
+    assert results[0] == results[1] == [p.grad is None for p in reference.parameters()]
+    assert any(results[0])
