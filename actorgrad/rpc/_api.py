@@ -162,10 +162,12 @@ def pickling_for(dst: int, undo: list[Callable[[], None]] | None = None) -> Iter
         forks_made.reset(forks_token)
 
 
-def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] | None = None) -> Payload:
-    """Pickle ``obj`` for ``dst`` (see :func:`pickling_for`)."""
+def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] | None = None,
+             recording: bool = False) -> Payload:
+    """Pickle ``obj`` for ``dst`` (see :func:`pickling_for`); ``recording``: an autograd
+    context records it (see ``Payload.dump``)."""
     with pickling_for(dst, undo):
-        return Payload.dump(obj, main_by_name=worker.same_program(dst))
+        return Payload.dump(obj, main_by_name=worker.same_program(dst), recording=recording)
 
 
 def _take_back(undo: list[Callable[[], None]]) -> None:
@@ -179,7 +181,7 @@ def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
     """Pickle a result (with autograd metadata) to send back to ``dst``."""
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst, reply=True)
-    payload = _dump_to(worker, dst, (value, meta))
+    payload = _dump_to(worker, dst, (value, meta), recording=meta is not None)
     hooks.after_send(worker, meta, payload, dst)
     return payload
 
@@ -238,7 +240,7 @@ def send_request(
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
     undo: list[Callable[[], None]] = []
-    payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo)
+    payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo, recording=meta is not None)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
     try:
         reply = worker.call(dst, target, payload, timeout, decode)

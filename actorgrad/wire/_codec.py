@@ -142,6 +142,7 @@ class _Pickler(cloudpickle.Pickler):
         self.tensors: list[torch.Tensor] = []
         self.buffers: list[memoryview] = []
         self.main_by_name = False  # see Payload.dump
+        self.recording = False  # see Payload.dump
 
     def _describe(self, obj: torch.Tensor) -> bytes | None:
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
@@ -165,7 +166,11 @@ class _Pickler(cloudpickle.Pickler):
         cls = type(obj)
         if cls is _Tensor or cls is _Parameter:
             descriptor = self._describe(obj)
-            return NotImplemented if descriptor is None else (_tensor, (descriptor,))
+            if descriptor is None:
+                if self.recording and obj.requires_grad:
+                    _refuse_untracked(obj, f"a {obj.layout} tensor".replace("torch.", ""))
+                return NotImplemented
+            return (_tensor, (descriptor,))
         if cls is _FunctionType or cls is type:
             if self.main_by_name and cls is _FunctionType and obj.__module__ == "__main__" \
                     and is_main_function(obj):
@@ -181,6 +186,8 @@ class _Pickler(cloudpickle.Pickler):
             return reduced
         if issubclass(cls, type):
             return super().reducer_override(obj)
+        if self.recording and issubclass(cls, _Tensor) and obj.requires_grad:
+            _refuse_untracked(obj, f"a tensor of the subclass {cls.__qualname__}")
         return NotImplemented  # what cloudpickle does for everything else
 
     def reset(self) -> None:
@@ -191,6 +198,14 @@ class _Pickler(cloudpickle.Pickler):
         self.globals_ref: dict[int, Any] = {}
         self.tensors = []
         self.buffers = []
+
+
+def _refuse_untracked(obj: torch.Tensor, what: str) -> None:
+    raise TypeError(
+        f"{what} that requires grad cannot take part in distributed autograd: only plain "
+        "strided tensors are recorded, so its gradient would not come back; send a plain "
+        "dense tensor (.to_dense(), .as_subclass(torch.Tensor)) or .detach() it"
+    )
 
 
 _free_picklers: list[_Pickler] = []  # reused: building a pickler costs more than a dump
@@ -309,16 +324,19 @@ class Payload:
         self.tensors: list[torch.Tensor] = []
 
     @classmethod
-    def dump(cls, obj: Any, main_by_name: bool = False) -> Payload:
+    def dump(cls, obj: Any, main_by_name: bool = False, recording: bool = False) -> Payload:
         """Pickle ``obj``; tensors become descriptors (plus zero-copy byte views).
 
         ``main_by_name``: the receiver runs the same program as this process: functions
-        of ``__main__`` go by name, to be found there (see ``_main_functions``)."""
+        of ``__main__`` go by name, to be found there (see ``_main_functions``).
+        ``recording``: a distributed autograd context records the payload's tensors: a
+        tensor requiring grad that it cannot record (sparse, a subclass) is refused."""
         try:
             pickler = _free_picklers.pop()
         except IndexError:
             pickler = _Pickler()
         pickler.main_by_name = main_by_name
+        pickler.recording = recording
         pickler.dump(obj)  # on failure the pickler is dropped, not reused
         payload = cls(pickler.file.getvalue())
         payload.tensors = pickler.tensors

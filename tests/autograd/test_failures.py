@@ -482,3 +482,29 @@ async def test_context_left_while_its_backward_runs(group2, mode):
     with pytest.raises(ag.ContextError, match="released .* while a backward pass ran"):
         await asyncio.wait_for(running, 30)
     await wait_released(["worker0", "worker1"], timeout=10)
+
+
+class TaggedTensor(torch.Tensor):
+    """A tensor subclass (its instances are not plain strided tensors to the codec)."""
+
+
+def _requires_grad_of(*tensors: torch.Tensor) -> list[bool]:
+    return [t.requires_grad for t in tensors]
+
+
+async def test_a_tensor_autograd_cannot_record_is_refused_inside_a_context(group2):
+    """A sparse tensor or a tensor subclass that requires grad would travel without its
+    send/recv pair: its gradient silently never came back (or FAST mode blamed the
+    call for an unused output). Inside a context it is refused; outside, it travels."""
+    sparse = torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 2.0], (2, 2), requires_grad=True, check_invariants=True)
+    tagged = torch.rand(3).as_subclass(TaggedTensor).requires_grad_()
+    async with ag.autograd.context():
+        for tensor, named in ((sparse, "sparse_coo tensor"), (tagged, "subclass TaggedTensor")):
+            with pytest.raises(TypeError, match=f"{named} that requires grad cannot take part"):
+                ag.rpc_async("worker1", _requires_grad_of, args=(tensor,))
+        with pytest.raises(ag.RemoteError, match="sparse_coo tensor that requires grad"):
+            await ag.rpc_async("worker1", torch.sparse_coo_tensor,
+                               args=([[0], [0]], [1.0], (1, 1)), kwargs={"requires_grad": True})
+        x = torch.rand(2, requires_grad=True)  # the context still works
+        assert await ag.rpc_async("worker1", _requires_grad_of, args=(x, sparse.detach())) == [True, False]
+    assert len(await ag.rpc_async("worker1", _requires_grad_of, args=(sparse, tagged))) == 2
