@@ -306,6 +306,19 @@ def start_all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     return fut
 
 
+def start_broadcast(tensor: torch.Tensor, src: int, group: Group | None = None) -> asyncio.Future[Any]:
+    """Start :func:`broadcast` of global rank ``src`` now, from plain code on the loop
+    thread (as :func:`start_all_reduce`); returns its future."""
+    act, g, impl = _prepare(group, "broadcast")
+    _check_tensor(tensor, "tensor")
+    if g is None or len(g.ranks) == 1:
+        return _done(act)
+    _check_member(src, g, act, "src")
+    fut: asyncio.Future[Any] = impl.broadcast(g, tensor, src)
+    fut.add_done_callback(_retrieved)
+    return fut
+
+
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from .. import collective as C
-from ..collective._api import refuse_next, start_all_reduce
+from ..collective._api import refuse_next, start_all_reduce, start_broadcast
 from ..runtime import Worker, get_worker
 
 _MiB = 1 << 20
@@ -131,6 +131,7 @@ class DistributedDataParallel(nn.Module):
         self._buckets = self._make_buckets(int(bucket_cap_mb * _MiB))
         self._next_launch = 0
         self._active = False  # inside backward(): hooks feed the buckets
+        self._status_issued = self._buffers_issued = False  # by this backward, so far
         self._ready = [False] * len(self._params)
         # Written by the hooks, on the backward's thread (``_ready`` lags behind, on the
         # loop): which parameters were claimed in this backward, and which came twice.
@@ -232,15 +233,22 @@ class DistributedDataParallel(nn.Module):
         close()
         return buckets
 
-    async def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Copy rank 0's ``tensors`` (of the group) into every replica's, coalesced."""
+    def _start_broadcasts(self, tensors: list[torch.Tensor]) -> list[tuple[Any, torch.Tensor, list[torch.Tensor]]]:
+        """Start broadcasting rank 0's ``tensors`` (of the group), coalesced by kind."""
         src = (self.group.ranks if self.group is not None else (0,))[0]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
-        for (dtype, device), ts in sorted(by_kind.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype, device=device)
-            await C.broadcast(flat, src, group=self.group)
+        started = []
+        for _, ts in sorted(by_kind.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            started.append((start_broadcast(flat, src, self.group), flat, ts))
+        return started
+
+    async def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Copy rank 0's ``tensors`` (of the group) into every replica's, coalesced."""
+        for done, flat, ts in self._start_broadcasts(tensors):
+            await done
             offset = 0
             with torch.no_grad():
                 for t in ts:
@@ -410,11 +418,8 @@ class DistributedDataParallel(nn.Module):
                 if error is not None:
                     errors.append(error)
         finally:
-            for wrapper in wrappers:  # cancelled, or a failure on the way: what was
-                if wrapper._active:  # started goes out, and no wrapper stays taken
-                    wrapper._launch_rest()
-                    wrapper._active = False
-                    wrapper._armed = False
+            for wrapper in wrappers:  # cancelled, or a failure on the way: the rest goes
+                wrapper._issue_rest()  # out, and no wrapper stays taken
         if errors:
             raise errors[0]
 
@@ -439,7 +444,24 @@ class DistributedDataParallel(nn.Module):
         reached = _reached_leaves([loss])
         return [w for w in others if any(id(p) in reached for p in w._params)]
 
+    def _issue_rest(self) -> None:
+        """After a backward that was cancelled or failed on the way: issue the
+        collectives it had not yet (buckets, the status saying this rank failed, the
+        buffers), without waiting, so that every rank's next ones still pair up."""
+        if self._active:
+            self._launch_rest()
+        if not self._status_issued:
+            n = len(self._params)
+            start_all_reduce(torch.tensor([0.0] * (3 * n) + [1.0]), C.ReduceOp.SUM, self.group)
+            self._status_issued = True
+        if not self._buffers_issued and self.broadcast_buffers and (buffers := list(self.module.buffers())):
+            self._start_broadcasts(buffers)  # (this rank keeps its own: it gave up the step)
+            self._buffers_issued = True
+        self._active = False
+        self._armed = False
+
     def _begin(self, deferred: bool) -> None:
+        self._status_issued = self._buffers_issued = False
         self._unused_now = set(self._unused) - self._used_unsynced  # no_sync() use counts
         self._used_unsynced = set()
         self._deferred = deferred
@@ -465,6 +487,7 @@ class DistributedDataParallel(nn.Module):
                 + [1.0 if failed else 0.0]
             )
             status_done = start_all_reduce(status, C.ReduceOp.SUM, self.group)
+            self._status_issued = True
             await asyncio.gather(*(b.future for b in self._buckets if b.future is not None), status_done)
             counts = [round(v) for v in status.tolist()]
             global_used = [k > 0 for k in counts[:n]] if self.find_unused_parameters else None
@@ -476,6 +499,7 @@ class DistributedDataParallel(nn.Module):
         if self.broadcast_buffers:
             buffers = list(self.module.buffers())
             if buffers:
+                self._buffers_issued = True
                 await self._broadcast(buffers)
         if local_error is not None:
             return local_error

@@ -695,3 +695,42 @@ async def test_find_unused_second_backward_of_one_forward_leaves_unused_grads_no
     reference(X[:4], False).sum().backward()
     assert results[0] == results[1] == [p.grad is None for p in reference.parameters()]
     assert any(results[0])
+
+
+class WithNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+async def test_a_backward_cancelled_on_one_rank_keeps_the_ranks_in_step(make_group: Any) -> None:
+    """Rank 0 gives up its step-1 backward at once (wait_for): it issues the rest of
+    that step's collectives anyway, the other rank's step fails saying so, and the next
+    steps pair up and average as before (they used to fail with mismatches for good)."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[list[str], list[torch.Tensor]]:
+        torch.manual_seed(3)
+        model = WithNorm()
+        ddp = await DDP.create(model, bucket_cap_mb=1e-4)
+        outcomes = []
+        for step in range(4):
+            model.zero_grad(set_to_none=True)
+            loss = ddp(X[4 * rank : 4 * rank + 4]).square().mean()
+            try:
+                if step == 1 and rank == 0:
+                    await asyncio.wait_for(ddp.backward(loss), 0.0001)
+                else:
+                    await ddp.backward(loss)
+                outcomes.append("ok")
+            except (TimeoutError, RuntimeError) as exc:
+                outcomes.append(type(exc).__name__)
+        return outcomes, [p.grad.clone() for p in model.parameters()]
+
+    (out0, grads0), (out1, grads1) = await run_all(group, body)
+    assert out0 == ["ok", "TimeoutError", "ok", "ok"] and out1 == ["ok", "RuntimeError", "ok", "ok"]
+    for g0, g1 in zip(grads0, grads1, strict=True):
+        assert_close(g0, g1)
