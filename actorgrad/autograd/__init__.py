@@ -39,6 +39,9 @@ class _Hooks(ContextActor):
         if meta is not None:
             _context_actor(worker).on_receive(worker, meta, payload, src)
 
+    def forget(self, worker, meta, sent):
+        _context_actor(worker).forget(worker, meta, sent)
+
     def scope(self, worker, meta):
         return _context_actor(worker).scope(worker, meta)
 

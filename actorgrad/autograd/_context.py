@@ -337,6 +337,16 @@ class ContextActor(CallHooks):
             for i, leaf in enumerate(leaves):
                 ctx.recv_of_leaf[id(leaf)] = (message_id, i)
 
+    def forget(self, worker: Worker, meta: Any, sent: bool) -> None:
+        ctx = self.contexts.get(meta[0])
+        if ctx is None:
+            return
+        if sent:
+            ctx.sends.pop(meta[1], None)
+        elif (entry := ctx.recvs.pop(meta[1], None)) is not None:
+            for leaf in entry.leaves:
+                ctx.recv_of_leaf.pop(id(leaf), None)
+
     def scope(self, worker: Worker, meta: Any) -> contextlib.AbstractContextManager[None]:
         return NO_SCOPE if meta is None else _ContextScope(self.contexts.get(meta[0]))
 

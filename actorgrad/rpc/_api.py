@@ -6,6 +6,7 @@ import asyncio
 import collections.abc
 import contextlib
 import contextvars
+import functools
 import inspect
 import threading
 import time
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._errors import RemoteError
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..runtime._calls import check_timeout
 from ..runtime._current import on_loop
@@ -197,7 +199,30 @@ def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payloa
     func, args, kwargs, meta = payload.load()
     hooks = _hooks.current()
     hooks.on_receive(worker, meta, payload, peer.rank)
+    if meta is None:
+        return _answer_call(worker, policy, peer, payload, func, args, kwargs, meta, hooks)
+    # In an autograd context, a call that fails records no pair: the caller, told of
+    # the failure, forgets its send too (see send_request)
+    try:
+        outcome = _answer_call(worker, policy, peer, payload, func, args, kwargs, meta, hooks)
+    except BaseException:
+        hooks.forget(worker, meta, sent=False)
+        raise
+    if isinstance(outcome, Payload):
+        return outcome
 
+    async def answered() -> Payload:
+        try:
+            return await outcome
+        except BaseException:
+            hooks.forget(worker, meta, sent=False)
+            raise
+
+    return answered()
+
+
+def _answer_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payload, func: Any, args: Any,
+                 kwargs: Any, meta: Any, hooks: _hooks.CallHooks) -> Any:
     nbytes = _nbytes(payload.tensors)
 
     async def run() -> Payload:
@@ -250,7 +275,14 @@ def send_request(
     # recorded once it left: a send that failed must not wait for gradients (the reply
     # cannot be handled before this returns, it comes through the loop)
     hooks.after_send(worker, meta, payload, dst)
+    if meta is not None:  # a call the callee failed records no pair (see _serve_call)
+        reply.add_done_callback(functools.partial(_forget_failed, worker, meta))
     return dst, reply
+
+
+def _forget_failed(worker: Worker, meta: Any, reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled() and isinstance(reply.exception(), RemoteError):
+        _hooks.current().forget(worker, meta, sent=True)
 
 
 def call_arguments(what: str, args: Any, kwargs: Any, timeout: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

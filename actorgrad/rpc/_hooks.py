@@ -30,6 +30,10 @@ class CallHooks:
     def on_receive(self, worker: Worker, meta: Any, payload: Payload, src: int) -> None:
         """A payload was unpickled; ``payload.tensors`` are the rebuilt tensors."""
 
+    def forget(self, worker: Worker, meta: Any, sent: bool) -> None:
+        """The call recorded with ``meta`` failed on the callee: drop what was recorded
+        for it here (the send, or on the callee the receive)."""
+
     def scope(self, worker: Worker, meta: Any) -> contextlib.AbstractContextManager[None]:
         """The environment a callee runs in (the caller's autograd context)."""
         return NO_SCOPE

@@ -508,3 +508,25 @@ async def test_a_tensor_autograd_cannot_record_is_refused_inside_a_context(group
         x = torch.rand(2, requires_grad=True)  # the context still works
         assert await ag.rpc_async("worker1", _requires_grad_of, args=(x, sparse.detach())) == [True, False]
     assert len(await ag.rpc_async("worker1", _requires_grad_of, args=(sparse, tagged))) == 2
+
+
+def _raise_on(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError("not this one")
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_a_call_that_failed_is_no_pair_of_the_context(group3, mode):
+    """A caller that catches a failed call and goes on: that call recorded no pair
+    (FAST mode used to wait for a gradient for it and blame it as an unused RPC)."""
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        for worker in ("worker1", "worker2"):
+            with pytest.raises(ag.RemoteError, match="not this one"):
+                await ag.rpc_async(worker, _raise_on, args=(x,))
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))
+        z = await ag.rpc_async("worker2", torch.add, args=(y, x))  # worker2 takes part too
+        await asyncio.wait_for(ag.autograd.backward(context_id, [z.sum()], mode=mode), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (lx * 2.0 + lx).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
