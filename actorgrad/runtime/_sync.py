@@ -6,9 +6,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import RpcTimeout
@@ -119,7 +120,7 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
     loop.call_soon_threadsafe(begin)
     stall = None if answer_within is None else (answer_within, give_up)
     try:
-        return _wait_driving(loop, result, can_drive, stall)
+        return _wait_driving(loop, result, can_drive, stall, cancel)
     except BaseException:
         if not result.done():  # interrupted (Ctrl-C): the call is not waited for any more
             cancel()
@@ -132,10 +133,12 @@ _STALL_GRACE = 2.0  # past the call's timeout, how long a loop may not run befor
 
 
 def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Future[T],
-                  can_drive: bool, stall: tuple[float, Callable[[], BaseException]] | None) -> T:
+                  can_drive: bool, stall: tuple[float, Callable[[], BaseException]] | None,
+                  cancel: Callable[[], None]) -> T:
     """Wait for ``result``; run the loop meanwhile whenever nobody else does (and this
     thread can: not while it runs another loop). ``stall``: (the call's timeout, what
-    to raise when the loop, run by another thread, stopped running past it)."""
+    to raise when the loop, run by another thread, stopped running past it);
+    ``cancel``: gives the call up (Ctrl-C while this thread runs the loop)."""
     driver = _drivers.setdefault(id(loop), threading.Lock())
     check_at = None if stall is None else time.monotonic() + stall[0]
     probe: threading.Event | None = None  # set by the loop when it runs again
@@ -150,7 +153,7 @@ def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Fu
             try:
                 if not loop.is_running() and not loop.is_closed():
                     # the call's own outcome is read from ``result`` below
-                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                    with _interrupts_cancel(cancel), contextlib.suppress(Exception, asyncio.CancelledError):
                         loop.run_until_complete(_until_done(result))
             finally:
                 driver.release()
@@ -200,8 +203,43 @@ def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future
     if not getattr(loop, "_nest_patched", False):
         nest_asyncio.apply(loop)
     task = loop.create_task(_await(start))
+
+    def cancel() -> None:
+        task.cancel()
+        loop.call_soon_threadsafe(lambda: None)  # wake the loop to act on it
+
     try:
-        return loop.run_until_complete(task)
+        with _interrupts_cancel(cancel):
+            return loop.run_until_complete(task)
     except BaseException:
         task.cancel()  # interrupted (Ctrl-C in a notebook): nobody waits for the call now
         raise
+
+
+@contextlib.contextmanager
+def _interrupts_cancel(cancel: Callable[[], None]) -> Iterator[None]:
+    """While this (main) thread runs the loop: Ctrl-C cancels the call, and is raised
+    once the loop returned, as asyncio.Runner does. Raised where it lands, inside a
+    transport's callback, it lost bytes already read off a socket, and the connection
+    (and the group with it) broke."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    interrupted: list[Any] = []
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        if not interrupted:
+            interrupted.append(frame)
+            cancel()
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    except BaseException:
+        if not interrupted:
+            raise  # (interrupted: the call's cancellation, which the interrupt replaces)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if interrupted:
+        handler(signal.SIGINT, interrupted[0])  # the default raises KeyboardInterrupt
