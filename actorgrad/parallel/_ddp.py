@@ -143,6 +143,9 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
         ]
+        # the parameters outlive a wrapper dropped for a new one (torch users re-wrap
+        # after freezing layers): its hooks go with it, and hold it only weakly
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._deferred = False  # in another wrapper's backward: buckets go out after it
         self._armed = False  # a forward ran since the last synced backward
         _wrappers.setdefault(worker, []).append(weakref.ref(self))
@@ -273,39 +276,46 @@ class DistributedDataParallel(nn.Module):
 
     # -- backward -------------------------------------------------------------------------
     def _make_hook(self, i: int) -> Any:
+        wrapper = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if not self._active:
-                if self._armed and self.require_backward_grad_sync:
-                    # a plain loss.backward(): nobody averages this gradient, and an
-                    # optimizer step on it would make the replicas diverge for good
-                    raise RuntimeError(
-                        f"parameter {self._names[i]!r} of a DistributedDataParallel module got "
-                        "its gradient from `loss.backward()`, which does not average it across "
-                        "ranks: use `await ddp.backward(loss)` (inside `with ddp.no_sync():` "
-                        "for gradients meant to stay local)"
-                    )
-                # inside no_sync() (or through the bare module, which torch leaves local
-                # too): the next synced backward counts it as used here
-                self._used_unsynced.add(i)
-                return
-            if self._claimed[i]:
-                # Its slot is (or may be) in flight already: copying now would race the
-                # all-reduce. Remember it; backward() raises once the ranks are in step.
-                # One parameter's hook runs on one device thread, so no lock is needed.
-                self._late.append(i)
-                return
-            self._claimed[i] = True
-            grad = p.grad
-            if grad is not None:
-                if grad.is_sparse:  # fails this backward on every rank (see backward())
-                    raise RuntimeError(
-                        f"parameter {self._names[i]!r} got a sparse gradient, which this "
-                        "DistributedDataParallel does not average; make it dense"
-                    )
-                self._fill_slot(i, grad)
-            self._loop.call_soon_threadsafe(self._mark_ready, i)
+            if (alive := wrapper()) is not None:
+                alive._on_gradient(i, p)
 
         return hook
+
+    def _on_gradient(self, i: int, p: torch.Tensor) -> None:
+        """The hook of parameter ``i``: its gradient was accumulated (on a backward thread)."""
+        if not self._active:
+            if self._armed and self.require_backward_grad_sync:
+                # a plain loss.backward(): nobody averages this gradient, and an
+                # optimizer step on it would make the replicas diverge for good
+                raise RuntimeError(
+                    f"parameter {self._names[i]!r} of a DistributedDataParallel module got "
+                    "its gradient from `loss.backward()`, which does not average it across "
+                    "ranks: use `await ddp.backward(loss)` (inside `with ddp.no_sync():` "
+                    "for gradients meant to stay local)"
+                )
+            # inside no_sync() (or through the bare module, which torch leaves local
+            # too): the next synced backward counts it as used here
+            self._used_unsynced.add(i)
+            return
+        if self._claimed[i]:
+            # Its slot is (or may be) in flight already: copying now would race the
+            # all-reduce. Remember it; backward() raises once the ranks are in step.
+            # One parameter's hook runs on one device thread, so no lock is needed.
+            self._late.append(i)
+            return
+        self._claimed[i] = True
+        grad = p.grad
+        if grad is not None:
+            if grad.is_sparse:  # fails this backward on every rank (see backward())
+                raise RuntimeError(
+                    f"parameter {self._names[i]!r} got a sparse gradient, which this "
+                    "DistributedDataParallel does not average; make it dense"
+                )
+            self._fill_slot(i, grad)
+        self._loop.call_soon_threadsafe(self._mark_ready, i)
 
     def _mark_ready(self, i: int) -> None:
         if self._ready[i] or not self._active:
@@ -613,6 +623,11 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
 # every wrapper of a worker, in creation order (the same on every rank)
 _wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
     weakref.WeakKeyDictionary())
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 _backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
 
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import actorgrad.collective as C
 from actorgrad.parallel import DistributedDataParallel as DDP
+from actorgrad.parallel._ddp import _wrappers
 from actorgrad.testing import InProcessGroup
 
 ROOT = Path(__file__).parents[2]
@@ -734,3 +735,26 @@ async def test_a_backward_cancelled_on_one_rank_keeps_the_ranks_in_step(make_gro
     assert out0 == ["ok", "TimeoutError", "ok", "ok"] and out1 == ["ok", "RuntimeError", "ok", "ok"]
     for g0, g1 in zip(grads0, grads1, strict=True):
         assert_close(g0, g1)
+
+
+async def test_a_wrapper_dropped_for_a_new_one_goes_with_its_hooks(make_group: Any) -> None:
+    """Re-wrapping (after freezing a layer, say) used to keep every old wrapper alive
+    through its hooks on the parameters, with its gradient-sized buckets."""
+    import gc
+
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[list[int], int]:
+        model = mlp(5)
+        for _ in range(4):
+            ddp = await DDP.create(model, bucket_cap_mb=1e-4)
+        await ddp.backward(nn.functional.mse_loss(ddp(X[4 * rank : 4 * rank + 4]), Y[4 * rank : 4 * rank + 4]))
+        del ddp
+        gc.collect()
+        from actorgrad.runtime import get_worker
+
+        alive = sum(ref() is not None for ref in _wrappers.get(get_worker(), []))
+        return [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()], alive
+
+    for hooks, alive in await run_all(group, body):
+        assert hooks == [0] * len(hooks) and alive == 0
