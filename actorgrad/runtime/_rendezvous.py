@@ -173,6 +173,7 @@ class FileStore:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file we wrote to
 
     async def connect(self, deadline: float) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # noqa: ASYNC240 - one tiny call at start-up
@@ -201,6 +202,8 @@ class FileStore:
                     return held
                 f.write(json.dumps({"key": key, "value": value}) + "\n")
                 f.flush()
+                stat = os.fstat(f.fileno())
+                self._file = (stat.st_dev, stat.st_ino)
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
         return None
@@ -216,6 +219,14 @@ class FileStore:
 
     async def close(self) -> None:
         pass
+
+    def remove(self) -> None:
+        """Remove the file, unless it is not the one we wrote to any more (a group after
+        ours uses the path already)."""
+        with contextlib.suppress(OSError):
+            stat = os.stat(self.path)
+            if self._file == (stat.st_dev, stat.st_ino):
+                os.unlink(self.path)
 
 
 class TorchAgentStore:

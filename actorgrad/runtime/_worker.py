@@ -294,6 +294,11 @@ class Worker:
                                   "program": self.program, "world_size": self.world_size}
             if local is not None:
                 me["local"] = [local[1], _local.host_identity()]
+            if isinstance(self._store, FileStore) and await self._store.wait_prefix("ready/", 0):
+                raise ValueError(
+                    f"the rendezvous file {host} holds a group that formed already (one still "
+                    "running, or one that ended without removing it): delete it, or use another path"
+                )
             held = await self._until(deadline, self._store.claim(f"worker/{self.rank}", json.dumps(me)),
                                      "the rendezvous store to answer")
             if held is not None:
@@ -338,12 +343,22 @@ class Worker:
             self._store_closing = self.loop.create_task(self._store_server.close(linger=_STORE_DONE_LINGER))
         if isinstance(self._store, FileStore):
             await self._store.set(f"left/{self.rank}", "1")
+            if self.rank == 0:  # the path is free for the next group as soon as all read it
+                self._store_closing = self.loop.create_task(self._remove_rendezvous_file(self._store))
         else:
             # done with the rendezvous: hanging up tells its host (rank 0), which waits at
             # its shutdown for every worker still reading its last answer
             await self._store.close()
         self._heartbeat_task = self.loop.create_task(self._heartbeats(), context=self._context.copy())
         _current.register(self)
+
+    async def _remove_rendezvous_file(self, store: FileStore) -> None:
+        """Once every worker has read the roster (or after a while), remove the file."""
+        deadline = time.monotonic() + _STORE_DONE_LINGER
+        while time.monotonic() < deadline:
+            if len(await store.wait_prefix("left/", self.world_size)) >= self.world_size:
+                break
+        store.remove()
 
     async def _until(self, deadline: float, aw: Awaitable[Any], what: str,
                      missing: Callable[[], list[int]] | None = None) -> Any:
@@ -1006,8 +1021,7 @@ class Worker:
             # get their last answers first; the others have hung up already
             await self._store_server.close(linger=max(store_linger, _STORE_LINGER))
         if isinstance(self._store, FileStore) and self.rank == 0:
-            with contextlib.suppress(OSError):
-                os.unlink(self._store.path)
+            self._store.remove()
         await asyncio.sleep(0)
         self._pool.close()
         for name, ext in list(self.extensions.items()):

@@ -1190,3 +1190,29 @@ async def test_env_init_names_what_is_wrong_with_master_port(monkeypatch, port, 
         monkeypatch.setenv("MASTER_PORT", port)
     with pytest.raises(ValueError, match=match):
         await ag.init_rpc("w0", options=ag.RpcOptions(init_timeout=2))
+
+
+async def test_a_rendezvous_file_is_free_again_right_after_the_group_formed(tmp_path, spawn):
+    """Rank 0 removed the file only at its shutdown, so another rank that was done first
+    and formed a new group on the same path read the old roster ('rank 1 is already
+    taken'). It goes as soon as every rank has read the roster."""
+    path = tmp_path / "rdv"
+    options = ag.RpcOptions(init_timeout=10)
+    for attempt in range(3):
+        specs = [{"name": f"a{attempt}w{r}", "rank": r, "world_size": 2, "init_method": f"file://{path}",
+                  "options": options} for r in range(2)]
+        workers = await spawn(specs, timeout=15)
+        assert all(isinstance(w, ag.runtime.Worker) for w in workers), workers
+        deadline = time.monotonic() + 5
+        while path.exists() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        assert not path.exists()
+        await asyncio.gather(*(w.shutdown() for w in workers))
+
+
+async def test_a_rendezvous_file_left_by_a_group_that_formed_is_named(tmp_path):
+    path = tmp_path / "rdv"
+    path.write_text('{"key": "worker/0", "value": "{}"}\n{"key": "ready/0", "value": "1"}\n')
+    with pytest.raises(ValueError, match="holds a group that formed already"):
+        await ag.init_rpc("w0", rank=0, world_size=1, init_method=f"file://{path}",
+                          options=ag.RpcOptions(init_timeout=5))
