@@ -586,6 +586,14 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # (copy, deepcopy, pickle and torch.save all come here)
+        raise TypeError(
+            "a DistributedDataParallel wrapper belongs to its worker and group, and cannot be "
+            "copied or pickled: copy or save its .module (or state_dict()), and wrap a copy "
+            "with `await DistributedDataParallel.create(...)`"
+        )
+
     def remove_hooks(self) -> None:
         """Detach the wrapper from the module's parameters."""
         for h in self._hooks:

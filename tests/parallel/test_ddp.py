@@ -758,3 +758,20 @@ async def test_a_wrapper_dropped_for_a_new_one_goes_with_its_hooks(make_group: A
 
     for hooks, alive in await run_all(group, body):
         assert hooks == [0] * len(hooks) and alive == 0
+
+
+async def test_copying_or_saving_a_wrapper_says_what_to_do_instead(make_group: Any) -> None:
+    import copy
+    import io
+
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        ddp = await DDP.create(mlp(0))
+        for attempt in (lambda: copy.deepcopy(ddp), lambda: copy.copy(ddp), lambda: torch.save(ddp, io.BytesIO())):
+            with pytest.raises(TypeError, match="copy or save its .module"):
+                attempt()
+        copy.deepcopy(ddp.module)  # what to do instead works
+        torch.save(ddp.state_dict(), io.BytesIO())
+
+    await run_all(group, body)
