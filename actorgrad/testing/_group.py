@@ -264,9 +264,14 @@ _unfinished: set[LocalGroup] = set()  # started, not shut down
 @atexit.register
 def _end_unfinished_groups() -> None:
     """A program (a notebook kernel, a script that raised) that ends without
-    ``group.shutdown()``: its workers follow it out on their own; reap them and remove
-    the logs, as shutdown would."""
+    ``group.shutdown()``: end its workers (they would wait for worker0, whose sockets
+    are still open) and remove the logs, as shutdown would."""
     for group in list(_unfinished):
+        for rank, proc in enumerate(group.processes, start=1):
+            if proc.poll() is None:
+                group.killed.add(rank)  # ended by us: no failure of theirs
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
         group.end_processes(time.monotonic() + 3.0)
 
 

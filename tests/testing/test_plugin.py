@@ -6,6 +6,8 @@ import contextlib
 import os
 import re
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 
@@ -284,3 +286,33 @@ async def test_local_group_started_twice_says_to_shut_the_first_down() -> None:
         assert worker_children() == group.pids  # the first group's worker only
     finally:
         await group.shutdown()
+
+
+def test_a_program_that_ends_without_shutting_its_group_down_ends_the_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """They waited for worker0's sockets, open until the process was gone, and were
+    killed after 3 s with their logs kept as if they had failed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(textwrap.dedent('''
+        import asyncio, time
+
+        import actorgrad as ag
+
+        loop = asyncio.new_event_loop()
+        group = loop.run_until_complete(ag.local_group(2))
+        assert ag.rpc_sync("worker1", max, args=(1, 2)) == 2
+        print(group.logdir, group.processes[0].pid, time.monotonic(), flush=True)
+    '''))
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr
+    logdir, pid, printed = proc.stdout.split()
+    assert ended - float(printed) < 2.5, "exit waited for the workers"
+    assert not os.path.exists(logdir)  # noqa: ASYNC240
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
