@@ -504,7 +504,8 @@ async def test_a_tensor_autograd_cannot_record_is_refused_inside_a_context(group
                 ag.rpc_async("worker1", _requires_grad_of, args=(tensor,))
         with pytest.raises(ag.RemoteError, match="sparse_coo tensor that requires grad"):
             await ag.rpc_async("worker1", torch.sparse_coo_tensor,
-                               args=([[0], [0]], [1.0], (1, 1)), kwargs={"requires_grad": True})
+                               args=([[0], [0]], [1.0], (1, 1)),
+                               kwargs={"requires_grad": True, "check_invariants": True})
         x = torch.rand(2, requires_grad=True)  # the context still works
         assert await ag.rpc_async("worker1", _requires_grad_of, args=(x, sparse.detach())) == [True, False]
     assert len(await ag.rpc_async("worker1", _requires_grad_of, args=(sparse, tagged))) == 2
