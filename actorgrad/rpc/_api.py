@@ -141,14 +141,47 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 sending_to: contextvars.ContextVar[int | None] = contextvars.ContextVar("actorgrad_sending_to", default=None)
 
 
-# What RRef.__reduce__ registered while a payload is pickled (a fork at the owner): the
-# ways to take it back, should the message not leave after all.
-forks_made: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+# What RRef.__reduce__ registered while a payload is pickled (a fork at the owner): each
+# fork and the way to take it back, should the message not leave (or not be loaded).
+TakeBack = tuple[Any, Callable[[], None]]
+forks_made: contextvars.ContextVar[list[TakeBack] | None] = contextvars.ContextVar(
     "actorgrad_forks_made", default=None)
 
 
+class _Loading(threading.local):
+    forks: list[Any] | None = None  # forks the payload being loaded on this thread rebuilt
+
+
+loading = _Loading()
+FORKS_REBUILT = "actorgrad_forks_rebuilt"  # on a load's error: the forks it rebuilt first
+
+
+def load_noting_forks(payload: Payload) -> Any:
+    """``payload.load()``; should it fail, its error names the forks of the RRefs it
+    rebuilt before (they release themselves): the sender takes back the others."""
+    outer, loading.forks = loading.forks, []
+    try:
+        return payload.load()
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # (an exception type that takes no attributes)
+            setattr(exc, FORKS_REBUILT, list(loading.forks))
+        raise
+    finally:
+        loading.forks = outer
+
+
+def _take_back_unloaded(undo: list[TakeBack], reply: asyncio.Future[Any]) -> None:
+    """The callee could not load the call: take back the forks it did not rebuild."""
+    if reply.cancelled() or not isinstance(exc := reply.exception(), RemoteError):
+        return
+    rebuilt = getattr(exc.__cause__, FORKS_REBUILT, None)
+    if isinstance(rebuilt, list):
+        kept = {tuple(fork) for fork in rebuilt}
+        _take_back([item for item in undo if item[0] not in kept])
+
+
 @contextlib.contextmanager
-def pickling_for(dst: int, undo: list[Callable[[], None]] | None = None) -> Iterator[None]:
+def pickling_for(dst: int, undo: list[TakeBack] | None = None) -> Iterator[None]:
     """Within the block, what is pickled goes to rank ``dst``: RRefs may be pickled, and
     the forks they register go into ``undo`` (taken back at once when the block fails:
     an unpicklable argument beside an RRef)."""
@@ -164,7 +197,7 @@ def pickling_for(dst: int, undo: list[Callable[[], None]] | None = None) -> Iter
         forks_made.reset(forks_token)
 
 
-def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] | None = None,
+def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[TakeBack] | None = None,
              recording: bool = False) -> Payload:
     """Pickle ``obj`` for ``dst`` (see :func:`pickling_for`); ``recording``: an autograd
     context records it (see ``Payload.dump``)."""
@@ -172,8 +205,8 @@ def _dump_to(worker: Worker, dst: int, obj: Any, undo: list[Callable[[], None]] 
         return Payload.dump(obj, main_by_name=worker.same_program(dst), recording=recording)
 
 
-def _take_back(undo: list[Callable[[], None]]) -> None:
-    for take_back in undo:
+def _take_back(undo: list[TakeBack]) -> None:
+    for _, take_back in undo:
         with contextlib.suppress(Exception):  # best effort: an owner that is gone keeps nothing
             take_back()
     undo.clear()
@@ -196,7 +229,7 @@ def load_value(worker: Worker, payload: Payload, src: int) -> Any:
 
 
 def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payload) -> Any:
-    func, args, kwargs, meta = payload.load()
+    func, args, kwargs, meta = load_noting_forks(payload)
     hooks = _hooks.current()
     hooks.on_receive(worker, meta, payload, peer.rank)
     if meta is None:
@@ -264,7 +297,7 @@ def send_request(
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
-    undo: list[Callable[[], None]] = []
+    undo: list[TakeBack] = []
     payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo, recording=meta is not None)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
     try:
@@ -277,6 +310,8 @@ def send_request(
     hooks.after_send(worker, meta, payload, dst)
     if meta is not None:  # a call the callee failed records no pair (see _serve_call)
         reply.add_done_callback(functools.partial(_forget_failed, worker, meta))
+    if undo:  # RRefs in it: those the callee could not load are taken back
+        reply.add_done_callback(functools.partial(_take_back_unloaded, undo))
     return dst, reply
 
 

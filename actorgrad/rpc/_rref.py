@@ -427,9 +427,9 @@ class RRef(Generic[T]):
             worker.tell(owner, "rref.add_fork", Payload.dump((rref_id, fork, holder)))
         if (made := _api.forks_made.get()) is not None:  # to take back if it does not leave
             if owner == worker.rank:
-                made.append(lambda: table.del_fork(rref_id, fork))
+                made.append((fork, lambda: table.del_fork(rref_id, fork)))
             else:
-                made.append(lambda: worker.tell(owner, "rref.del_fork", Payload.dump((rref_id, fork))))
+                made.append((fork, lambda: worker.tell(owner, "rref.del_fork", Payload.dump((rref_id, fork)))))
         return (_rebuild, (owner, rref_id, fork))
 
 
@@ -443,6 +443,8 @@ async def _backward_here(rref: RRef[Any], context_id: int, retain_graph: bool) -
 
 def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:
     worker = get_worker()
+    if fork is not None and (rebuilt := _api.loading.forks) is not None:
+        rebuilt.append(tuple(fork))  # (released from here on, even if the rest fails to load)
     if owner == worker.rank:
         table = owner_table(worker)
         entry = table.find(rref_id)
@@ -553,7 +555,7 @@ def install_handlers(worker: Worker) -> None:
     from . import _hooks
 
     def create(peer: Any, payload: Payload) -> Any:
-        rref_id, fork, func, args, kwargs, meta = payload.load()
+        rref_id, fork, func, args, kwargs, meta = _api.load_noting_forks(payload)
         hooks = _hooks.current()
         hooks.on_receive(worker, meta, payload, peer.rank)
         rref_id = tuple(rref_id)

@@ -836,3 +836,23 @@ async def test_remote_whose_arguments_the_owner_cannot_load_says_why_on_every_us
         with pytest.raises(ag.RemoteError) as info:
             await use
         assert "never created on worker1" in str(info.value) and "cannot be rebuilt here" in str(info.value)
+
+
+@pytest.mark.parametrize("rref_first", [False, True], ids=["unloadable_first", "rref_first"])
+async def test_an_rref_in_a_call_the_callee_cannot_load_is_released(group3, rref_first):
+    """The sender registers the fork before the call leaves; a callee that fails to load
+    the call before reaching the RRef never released it, and the owner kept the value
+    for good. The callee's error names the forks it did rebuild; the sender takes back
+    the others."""
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", make_tensor, args=(3,))
+    await rref.to_here()
+    args = (rref, LoadsNowhere()) if rref_first else (LoadsNowhere(), rref)
+    with pytest.raises(ag.RemoteError, match="cannot be rebuilt here"):
+        await ag.rpc_async("worker2", takes_anything, args=args)
+    with pytest.raises(ag.RemoteError, match="cannot be rebuilt here"):
+        await ag.remote("worker2", takes_anything, args=args)._creation
+    assert torch.equal(await rref.to_here(), torch.arange(3.0))  # still held by us
+    del rref, args
+    info = await wait_owner_count("worker1", base)
+    assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
