@@ -153,30 +153,35 @@ class _Loading(threading.local):
 
 
 loading = _Loading()
-FORKS_REBUILT = "actorgrad_forks_rebuilt"  # on a load's error: the forks it rebuilt first
+# On the error of a call that could not be loaded: (caller's rank, its request id, the
+# forks of the RRefs rebuilt before the failure)
+FORKS_REBUILT = "actorgrad_forks_rebuilt"
 
 
-def load_noting_forks(payload: Payload) -> Any:
-    """``payload.load()``; should it fail, its error names the forks of the RRefs it
-    rebuilt before (they release themselves): the sender takes back the others."""
+def load_noting_forks(worker: Worker, caller: int, payload: Payload) -> Any:
+    """Load the call ``payload`` that ``caller`` sent; should that fail, its error names
+    the call and the forks of the RRefs rebuilt before (they release themselves): the
+    caller takes back the others."""
     outer, loading.forks = loading.forks, []
     try:
         return payload.load()
     except Exception as exc:
         with contextlib.suppress(Exception):  # (an exception type that takes no attributes)
-            setattr(exc, FORKS_REBUILT, list(loading.forks))
+            setattr(exc, FORKS_REBUILT, (caller, worker.serving_request, list(loading.forks)))
         raise
     finally:
         loading.forks = outer
 
 
-def _take_back_unloaded(undo: list[TakeBack], reply: asyncio.Future[Any]) -> None:
-    """The callee could not load the call: take back the forks it did not rebuild."""
+def _take_back_unloaded(worker: Worker, undo: list[TakeBack], reply: asyncio.Future[Any]) -> None:
+    """This call could not be loaded by its callee: take back the forks it did not
+    rebuild (not those of another call failing further on, passed on to us)."""
     if reply.cancelled() or not isinstance(exc := reply.exception(), RemoteError):
         return
-    rebuilt = getattr(exc.__cause__, FORKS_REBUILT, None)
-    if isinstance(rebuilt, list):
-        kept = {tuple(fork) for fork in rebuilt}
+    unloaded = getattr(exc.__cause__, FORKS_REBUILT, None)
+    if isinstance(unloaded, tuple) and len(unloaded) == 3 \
+            and unloaded[:2] == (worker.rank, getattr(reply, "request_id", None)):
+        kept = {tuple(fork) for fork in unloaded[2]}
         _take_back([item for item in undo if item[0] not in kept])
 
 
@@ -229,7 +234,7 @@ def load_value(worker: Worker, payload: Payload, src: int) -> Any:
 
 
 def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payload) -> Any:
-    func, args, kwargs, meta = load_noting_forks(payload)
+    func, args, kwargs, meta = load_noting_forks(worker, peer.rank, payload)
     hooks = _hooks.current()
     hooks.on_receive(worker, meta, payload, peer.rank)
     if meta is None:
@@ -311,7 +316,7 @@ def send_request(
     if meta is not None:  # a call the callee failed records no pair (see _serve_call)
         reply.add_done_callback(functools.partial(_forget_failed, worker, meta))
     if undo:  # RRefs in it: those the callee could not load are taken back
-        reply.add_done_callback(functools.partial(_take_back_unloaded, undo))
+        reply.add_done_callback(functools.partial(_take_back_unloaded, worker, undo))
     return dst, reply
 
 

@@ -555,7 +555,7 @@ def install_handlers(worker: Worker) -> None:
     from . import _hooks
 
     def create(peer: Any, payload: Payload) -> Any:
-        rref_id, fork, func, args, kwargs, meta = _api.load_noting_forks(payload)
+        rref_id, fork, func, args, kwargs, meta = _api.load_noting_forks(worker, peer.rank, payload)
         hooks = _hooks.current()
         hooks.on_receive(worker, meta, payload, peer.rank)
         rref_id = tuple(rref_id)

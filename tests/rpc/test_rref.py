@@ -856,3 +856,28 @@ async def test_an_rref_in_a_call_the_callee_cannot_load_is_released(group3, rref
     del rref, args
     info = await wait_owner_count("worker1", base)
     assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
+
+
+async def _keep_and_fail_further_on(rref: ag.RRef) -> None:
+    KEPT["passed on"] = rref
+    await ag.rpc_async("worker1", takes_anything, args=(LoadsNowhere(),))  # that one cannot be loaded
+
+
+async def _fetch_kept() -> torch.Tensor:
+    return await KEPT.pop("passed on").to_here()
+
+
+async def test_a_load_failure_further_on_takes_back_nothing_of_this_call(group3):
+    """worker2 loads our call (and keeps the RRef in it); a call of its own fails to
+    load and its error comes back to us: our fork is worker2's, not to be taken back."""
+    base = (await debug_info("worker1"))["num_owner_rrefs"]
+    rref = ag.remote("worker1", make_tensor, args=(3,))
+    await rref.to_here()
+    with pytest.raises(ag.RemoteError, match="cannot be rebuilt here"):
+        await ag.rpc_async("worker2", _keep_and_fail_further_on, args=(rref,))
+    del rref
+    gc.collect()
+    await asyncio.sleep(0.2)
+    assert torch.equal(await ag.rpc_async("worker2", _fetch_kept), torch.arange(3.0))
+    info = await wait_owner_count("worker1", base)
+    assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
