@@ -219,11 +219,14 @@ class CollectiveActor:
                 op.fail(CollectiveError(f"{op.what()}: {exc}"), exc)
                 # this rank will not do its part: the others learn it now instead of
                 # waiting for it until their deadline
-                text = f"{type(exc).__name__}: {exc}".encode()
-                for r in op.members:
-                    if r != self.worker.rank:
-                        _ops.send_fail(self.worker, r, op.gid, op.seq, text)
+                self._tell_failed(op, f"{type(exc).__name__}: {exc}")
         return op.future
+
+    def _tell_failed(self, op: Op, text: str) -> None:
+        """Tell the other members that ``op`` failed here (they fail it at once)."""
+        for r in op.members:
+            if r != self.worker.rank:
+                _ops.send_fail(self.worker, r, op.gid, op.seq, text.encode())
 
     def _spin(self, op: Op, until: float) -> None:
         """Keep the loop polling (a ready callback makes it poll without sleeping) while a
@@ -248,10 +251,7 @@ class CollectiveActor:
                 op.fail(error)
                 # a member that comes late must not complete it with what this rank sent
                 # before it gave up: one rank would take a step the others did not
-                text = str(error).encode()
-                for r in op.members:
-                    if r != self.worker.rank:
-                        _ops.send_fail(self.worker, r, op.gid, op.seq, text)
+                self._tell_failed(op, str(error))
         if self._ops and not self.closed:
             limit = self.deadline() or 1.0
             self._sweeper = self.loop.call_later(min(1.0, max(0.02, limit / 4)), self._sweep)

@@ -461,8 +461,8 @@ class DistributedDataParallel(nn.Module):
         if self._active:
             self._launch_rest()
         if not self._status_issued:
-            n = len(self._params)
-            start_all_reduce(torch.tensor([0.0] * (3 * n) + [1.0]), C.ReduceOp.SUM, self.group)
+            nothing = [False] * len(self._params)
+            start_all_reduce(_status(nothing, nothing, nothing, True), C.ReduceOp.SUM, self.group)
             self._status_issued = True
         if not self._buffers_issued and self.broadcast_buffers and (buffers := list(self.module.buffers())):
             self._start_broadcasts(buffers)  # (this rank keeps its own: it gave up the step)
@@ -490,12 +490,8 @@ class DistributedDataParallel(nn.Module):
             # [missing on] per parameter, then the number of ranks whose backward raised.
             late = set(self._late)
             failed = local_error is not None
-            status = torch.tensor(
-                [0.0 if i in unused else 1.0 for i in range(n)]
-                + [1.0 if i in late else 0.0 for i in range(n)]
-                + [0.0 if failed else 1.0 if i in missing else 0.0 for i in range(n)]
-                + [1.0 if failed else 0.0]
-            )
+            status = _status([i not in unused for i in range(n)], [i in late for i in range(n)],
+                             [not failed and i in missing for i in range(n)], failed)
             status_done = start_all_reduce(status, C.ReduceOp.SUM, self.group)
             self._status_issued = True
             await asyncio.gather(*(b.future for b in self._buckets if b.future is not None), status_done)
@@ -596,8 +592,7 @@ class DistributedDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach the wrapper from the module's parameters."""
-        for h in self._hooks:
-            h.remove()
+        _remove_hooks(self._hooks)
         self._hooks = []
 
     @property
@@ -631,12 +626,18 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
 # every wrapper of a worker, in creation order (the same on every rank)
 _wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
     weakref.WeakKeyDictionary())
+_backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
-        handle.remove()
+        handle.remove()  # (again after remove_hooks(): does nothing)
 
 
-_backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
+def _status(used: list[bool], late: list[bool], missing: list[bool], failed: bool) -> torch.Tensor:
+    """One rank's part of a step's status all-reduce (see ``_finish``): per parameter
+    whether it was used, came late, is missing, then whether the local backward failed."""
+    return torch.tensor([float(x) for x in (*used, *late, *missing, failed)])
 
 
 def _backward_lock(worker: Worker, group: Any) -> asyncio.Lock:

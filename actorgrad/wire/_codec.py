@@ -168,7 +168,7 @@ class _Pickler(cloudpickle.Pickler):
             descriptor = self._describe(obj)
             if descriptor is None:
                 if self.recording and obj.requires_grad:
-                    _refuse_untracked(obj, f"a {obj.layout} tensor".replace("torch.", ""))
+                    _refuse_untracked(f"a {obj.layout} tensor".replace("torch.", ""))
                 return NotImplemented
             return (_tensor, (descriptor,))
         if cls is _FunctionType or cls is type:
@@ -187,7 +187,7 @@ class _Pickler(cloudpickle.Pickler):
         if issubclass(cls, type):
             return super().reducer_override(obj)
         if self.recording and issubclass(cls, _Tensor) and obj.requires_grad:
-            _refuse_untracked(obj, f"a tensor of the subclass {cls.__qualname__}")
+            _refuse_untracked(f"a tensor of the subclass {cls.__qualname__}")
         return NotImplemented  # what cloudpickle does for everything else
 
     def reset(self) -> None:
@@ -200,7 +200,7 @@ class _Pickler(cloudpickle.Pickler):
         self.buffers = []
 
 
-def _refuse_untracked(obj: torch.Tensor, what: str) -> None:
+def _refuse_untracked(what: str) -> None:
     raise TypeError(
         f"{what} that requires grad cannot take part in distributed autograd: only plain "
         "strided tensors are recorded, so its gradient would not come back; send a plain "
