@@ -103,9 +103,12 @@ def _check_init_args(name: object, rank: object, world_size: object, init_method
 async def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """Stop the current worker.
 
-    Graceful (default): wait until no worker of the group has outstanding work, then
-    close every connection. Never hangs: peers that are gone are skipped, and the whole
-    wait is bounded by ``timeout`` (default ``RpcOptions.shutdown_timeout``).
+    Graceful (default): wait until no worker of the group has outstanding work and
+    every other one shuts down too, then close every connection. As torch's
+    ``rpc.shutdown()``, a peer still running is waited for however long it runs (a
+    worker that only serves calls this at once); peers that are gone are skipped, and
+    so are peers silent (no message, no answer to heartbeats) for
+    ``RpcOptions.shutdown_timeout``. ``timeout`` (seconds, > 0) bounds the whole wait.
     """
     worker = get_worker()
     await worker.shutdown(graceful=graceful, timeout=timeout)

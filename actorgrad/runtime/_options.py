@@ -39,7 +39,11 @@ class RpcOptions:
         heartbeat_interval / heartbeat_timeout: an idle connection is pinged every
             interval; a peer silent for longer than the timeout while calls to it are
             outstanding is declared lost.
-        init_timeout / shutdown_timeout: bounds on rendezvous and graceful shutdown.
+        init_timeout: bound on the rendezvous.
+        shutdown_timeout: how long a graceful shutdown waits for peers that have gone
+            silent (no message, no answer to heartbeats) before it closes anyway. A
+            peer still running is waited for however long it runs, as torch's
+            ``rpc.shutdown()`` waits; ``0``: no limit.
         max_frame_size: largest frame accepted from a peer, in bytes.
         ssl_context: optional TLS for the listening side (an ``ssl.PROTOCOL_TLS_SERVER``
             context with the worker's certificate).

@@ -17,6 +17,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import math
 import numbers
 import os
 import pickle
@@ -938,48 +939,67 @@ class Worker:
         self._done_changed.set()
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
-        """Stop this worker. Graceful: wait until no worker has outstanding work first."""
+        """Stop this worker. Graceful: wait until no worker has outstanding work first.
+
+        As torch's ``rpc.shutdown()``, a graceful shutdown waits for every other worker
+        to finish and shut down too, however long it runs: workers that only serve call
+        it at once. A peer that is gone is not waited on, and neither is one silent
+        (no message, no answer to heartbeats) for ``RpcOptions.shutdown_timeout``: it is
+        reported and the connections close anyway. ``timeout`` (> 0) bounds the whole
+        wait; ``None`` and 0 leave it to the peers, as torch's default does.
+        """
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or not timeout >= 0):
             raise ValueError(f"shutdown timeout must be a number of seconds >= 0, got {timeout!r}")
         if self.closed:
             return
         self.shutting_down = True
-        limit = self.options.shutdown_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + timeout if timeout else math.inf
+        quiet = self.options.shutdown_timeout or math.inf  # silence that ends the wait
         trace_path = os.environ.get("ACTORGRAD_TRACE")
         if graceful and trace_path and self.rank == 0:
             try:  # the others wait for our "done", so they can still be asked for events
-                await asyncio.wait_for(self.export_trace(trace_path), max(1.0, limit / 2))
+                await asyncio.wait_for(self.export_trace(trace_path), max(1.0, min(timeout or 60.0, quiet) / 2))
             except Exception as exc:
                 log.warning("%s: could not write the trace to %s: %s", self.name, trace_path, exc)
         if graceful:
             gc.collect()  # dropped RRefs announce themselves before we leave
             await asyncio.sleep(0)
+            # our own calls: each ends by its rpc timeout, or when its peer is lost
             while self._pending and time.monotonic() < deadline:
                 futures = list(self._pending.futures.values())
-                await asyncio.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+                await asyncio.wait(futures, timeout=_wait_s(deadline))
             for peer in list(self.peers.values()):
                 with contextlib.suppress(Exception):
                     peer.send(Tell(target="runtime.done", payload=Payload.dump(None)))
-            while time.monotonic() < deadline:
-                waiting = [r for r in self.peers if r not in self._done_from]
-                if not waiting:
-                    break
-                self._done_changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._done_changed.wait(), max(0.0, deadline - time.monotonic()))
-            else:
-                missing = [self.infos[r].name for r in self.peers if r not in self._done_from]
-                if missing:
-                    log.warning("%s: shutdown did not hear from %s in %.1fs; closing anyway",
-                                self.name, ", ".join(missing), limit)
+            await self._wait_done(deadline, quiet)
             # work this worker accepted and still runs, also for callers that stopped
             # waiting (their timeout cancels our task, not a function already running
             # on the pool) or that left: it finishes first, as torch drains its pool
-            while self._still_serving() and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
+            until = min(deadline, time.monotonic() + quiet)
+            while self._still_serving() and time.monotonic() < until:  # noqa: ASYNC110 - bounded
                 await asyncio.sleep(0.01)
         await self._close_everything()
+
+    async def _wait_done(self, deadline: float, quiet: float) -> None:
+        """Until every peer said it is done (or is gone), the ``deadline`` passes, or
+        every peer still awaited has been silent for ``quiet`` seconds. The heartbeat
+        task keeps pinging them meanwhile: a peer that answers is still running."""
+        while True:
+            waiting = [p for r, p in self.peers.items() if r not in self._done_from]
+            if not waiting:
+                return
+            now = time.monotonic()
+            heard = max(p.last_received for p in waiting)
+            if now >= deadline or now - heard >= quiet:
+                why = "before the shutdown timeout" if now >= deadline else f"for {quiet:.1f}s"
+                log.warning("%s: shutdown did not hear from %s %s; closing anyway", self.name,
+                            ", ".join(p.name or f"rank {p.rank}" for p in waiting), why)
+                return
+            self._done_changed.clear()
+            wake = min(deadline, heard + quiet, now + self.options.heartbeat_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done_changed.wait(), _wait_s(wake))
 
     def _still_serving(self) -> bool:
         """Whether calls of peers are still being served here, or functions of calls
@@ -1031,6 +1051,11 @@ class Worker:
                     closer()
                 except Exception:
                     log.exception("%s: closing %s failed", self.name, name)
+
+
+def _wait_s(until: float) -> float | None:
+    """Seconds from now to the monotonic time ``until``; None for no limit."""
+    return None if until == math.inf else max(0.0, until - time.monotonic())
 
 
 def program_identity() -> str:

@@ -1216,3 +1216,57 @@ async def test_a_rendezvous_file_left_by_a_group_that_formed_is_named(tmp_path):
     with pytest.raises(ValueError, match="holds a group that formed already"):
         await ag.init_rpc("w0", rank=0, world_size=1, init_method=f"file://{path}",
                           options=ag.RpcOptions(init_timeout=5))
+
+
+# --------------------------------------------------------------------------------------
+# how long a graceful shutdown waits
+
+
+async def test_a_worker_shutting_down_waits_for_a_peer_that_still_runs(make_group):
+    """Serving workers call shutdown at once (the README's pattern) and must serve the
+    driver for as long as it runs, busy or quiet, as torch's rpc.shutdown() waits:
+    shutdown_timeout bounds only the wait for a peer gone silent."""
+    group = await make_group(2, ag.RpcOptions(shutdown_timeout=0.5, heartbeat_interval=0.1))
+    stopping = asyncio.ensure_future(group.workers[1].shutdown())
+    x = torch.randn(3)
+    until = time.monotonic() + 1.2
+    while time.monotonic() < until:  # working with it, for longer than shutdown_timeout
+        assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=(x,)), -x)
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.2)  # quiet (heartbeats only), for longer than shutdown_timeout
+    assert not stopping.done()
+    assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=(x,)), -x)
+    await asyncio.wait_for(ag.shutdown(), 10)
+    await asyncio.wait_for(stopping, 10)
+    assert all(w.closed for w in group.workers)
+
+
+async def test_an_explicit_shutdown_timeout_bounds_the_whole_wait(make_group):
+    group = await make_group(2, ag.RpcOptions(heartbeat_interval=0.1))
+    start = time.monotonic()
+    stopping = asyncio.ensure_future(group.workers[1].shutdown(timeout=0.6))
+    x = torch.randn(3)
+    with contextlib.suppress(ag.WorkerLost):
+        while not stopping.done() and time.monotonic() - start < 10:
+            await ag.rpc_async("worker1", torch.neg, args=(x,))
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(stopping, 10)
+    assert time.monotonic() - start < 5
+    assert group.workers[1].closed
+
+
+@pytest.mark.slow
+async def test_shutdown_stops_waiting_for_a_peer_gone_silent(make_process_group, auth_env, caplog):
+    """A peer that neither says it is done nor answers heartbeats (stopped, or cut off)
+    is waited for shutdown_timeout, then reported; the wait never hangs on it."""
+    group = await start_process_group(
+        make_process_group, 2, ag.RpcOptions(shutdown_timeout=1.0, heartbeat_interval=0.2))
+    os.kill(group.pids[0], signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="actorgrad"):
+            await asyncio.wait_for(ag.shutdown(), 15)
+        assert time.monotonic() - start < 6
+        assert any("worker1" in r.getMessage() and "shutdown" in r.getMessage() for r in caplog.records)
+    finally:
+        os.kill(group.pids[0], signal.SIGCONT)
