@@ -129,7 +129,41 @@ class RecvRpcBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        if not engine_calls.count:
+            # somebody's local backward (loss.backward()) reached a received tensor: its
+            # gradient cannot travel back that way (torch refuses it too)
+            raise RuntimeError(
+                "a local backward (loss.backward(), torch.autograd.backward) reached a tensor "
+                "received by RPC inside a distributed autograd context; its gradient cannot go "
+                "back to the worker that sent it that way. Use "
+                "`await ag.autograd.backward(context_id, [loss])` and read the gradients with "
+                "`ag.autograd.get_gradients(context_id)`"
+            )
         return None, grad
+
+
+class _EngineCalls:
+    """How many torch calls of the distributed engine run now, on any thread. A recv
+    function runs inside one of them, or else inside somebody's local backward, where
+    its gradient could never travel back (see ``RecvRpcBackward.backward``)."""
+
+    __slots__ = ("_lock", "count")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            self.count += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self.count -= 1
+
+
+engine_calls = _EngineCalls()
 
 
 def _c_apply(function: type[torch.autograd.Function]) -> Any:

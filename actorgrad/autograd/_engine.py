@@ -67,6 +67,7 @@ from ._context import (
     RecvRpcBackward,
     check_context_id,
     context_actor,
+    engine_calls,
     root_tensors,
 )
 from ._messages import (
@@ -94,7 +95,14 @@ _RECV_NODE = RecvRpcBackward._backward_cls
 _RUNS_PYTHON: dict[type, bool] = {_RECV_NODE: False}
 # torch.autograd.grad minus its argument checks (and their first-use imports): our
 # gradients always match their outputs.
-_run_backward = torch.autograd.Variable._execution_engine.run_backward
+_torch_run_backward = torch.autograd.Variable._execution_engine.run_backward
+
+
+def _run_backward(*call: Any) -> Any:
+    """torch's engine, counted (the recv functions it runs check that it is ours)."""
+    return engine_calls.run(_torch_run_backward, *call)
+
+
 
 T = TypeVar("T")
 

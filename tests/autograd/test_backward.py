@@ -487,6 +487,28 @@ async def test_unknown_context_and_bad_roots(group2):
     assert info.value.remote_type.endswith("ContextError")
 
 
+async def test_a_local_backward_through_a_received_tensor_is_refused(group2):
+    """loss.backward() cannot send a gradient back to the worker that sent a tensor:
+    torch refuses it (an internal assert), and so do we, by name, instead of silently
+    stopping at the RPC boundary (the remote parameters would never learn a thing)."""
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2))
+        loss = (y * y).sum()
+        with pytest.raises(RuntimeError, match=r"ag\.autograd\.backward"):
+            loss.backward(retain_graph=True)
+        assert x.grad is None
+        # a local backward that stops short of the received tensor is the user's business
+        w = torch.ones(3, requires_grad=True)
+        (y * w).sum().backward(inputs=[w])
+        assert torch.allclose(w.grad, y.detach().sum(0))
+        await ag.autograd.backward(context_id, [loss])
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    ((lx * 2) * (lx * 2)).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
 # -- what travels: views, containers, parameters, modules, RRefs -----------------------------
 
 
