@@ -52,7 +52,7 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -866,6 +866,27 @@ def engine_actor(worker: Worker | None = None) -> EngineActor:
     return actor
 
 
+class AfterBackward(Protocol):
+    """Work a backward's caller does once the pass is over, on its own worker: data
+    parallel wrappers average their parameters' gradients in the context there, as
+    torch's DDP does inside ``dist_autograd.backward``."""
+
+    async def done(self, worker: Worker, ctx: DistContext) -> None:
+        """The pass succeeded (may raise: backward raises it)."""
+
+    def failed(self, worker: Worker, ctx: DistContext) -> None:
+        """The pass failed or was cancelled: issue, without waiting, what the other
+        ranks expect of this one."""
+
+
+after_backward: list[AfterBackward] = []
+
+
+def _failed_after(worker: Worker, ctx: DistContext) -> None:
+    for hook in after_backward:
+        hook.failed(worker, ctx)
+
+
 async def backward(
     context_id: int,
     roots: Sequence[torch.Tensor],
@@ -938,10 +959,12 @@ async def backward(
     except BaseException as error:
         if running:  # some gradients may have been added already
             ctx.failed_backward = type(error).__name__
+        _failed_after(worker, ctx)
         raise
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)
     if ctx.released:  # its entries went mid-pass: what was planned from them is partial
+        _failed_after(worker, ctx)
         raise engine._released(ctx)
     if not retain_graph:
         ctx.graph_freed = True
@@ -949,6 +972,7 @@ async def backward(
         unused = sorted(report.pairs - report.fired)
         if unused:
             ctx.failed_backward = "FAST mode, unused RPC"
+            _failed_after(worker, ctx)
             first = unused[0]
             described = await _describe_pair(worker, ctx, first)
             raise ContextError(
@@ -959,3 +983,5 @@ async def backward(
                 "in a new context and call backward(..., mode=\"smart\") (or set "
                 "RpcOptions(autograd_mode=\"smart\")) to skip unused RPCs."
             )
+    for hook in after_backward:
+        await hook.done(worker, ctx)

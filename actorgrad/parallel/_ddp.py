@@ -37,6 +37,12 @@
   graph when the worker has other wrappers and takes along those it reaches; their
   buckets go out after the local backward, wrapper after wrapper in creation order, so
   every rank issues the same collectives.
+* With distributed autograd (torch's "Combining DDP with distributed RPC"): a wrapper
+  whose forward ran and whose parameters got gradients in a context from
+  ``autograd.backward`` on this worker averages those, in the context, once the pass is
+  over (``after_backward``): the same buckets, status all-reduce and buffer broadcast,
+  wrapper after wrapper in creation order. A pass that failed issues them too, saying
+  so, as a failed local backward does.
 * Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
   synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
   ``backward`` (which is the same data: nothing changes buffers in between) and in
@@ -58,6 +64,7 @@ import torch
 from torch import nn
 
 from .. import collective as C
+from ..autograd._engine import after_backward
 from ..collective._api import refuse_next, start_all_reduce, start_broadcast
 from ..runtime import Worker, get_worker
 
@@ -147,6 +154,8 @@ class DistributedDataParallel(nn.Module):
         # after freezing layers): its hooks go with it, and hold it only weakly
         weakref.finalize(self, _remove_hooks, self._hooks)
         self._deferred = False  # in another wrapper's backward: buckets go out after it
+        # where the averages go: .grad, or a distributed autograd context's gradients
+        self._into: dict[torch.Tensor, torch.Tensor] | None = None
         self._armed = False  # a forward ran since the last synced backward
         _wrappers.setdefault(worker, []).append(weakref.ref(self))
 
@@ -433,6 +442,30 @@ class DistributedDataParallel(nn.Module):
         if errors:
             raise errors[0]
 
+    async def _average_in_context(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """After a distributed backward on this worker: average the gradients it left in
+        its context (``grads``) over the group, there, as torch's DDP does inside
+        ``dist_autograd.backward``; the same collectives and checks as :meth:`backward`."""
+        self._begin(deferred=False)
+        error: Exception | None = None
+        try:
+            for i, p in enumerate(self._params):
+                grad = grads.get(p)
+                if self._claimed[i]:  # unused at forward (find_unused_parameters)
+                    if grad is not None:
+                        self._fill_slot(i, grad)
+                elif grad is not None:
+                    self._claimed[i] = True
+                    self._fill_slot(i, grad)
+                    self._mark_ready(i)
+            self._into = grads
+            error = await self._finish(None)
+        finally:
+            self._into = None
+            self._issue_rest()  # (a cancelled one: the rest still goes out)
+        if error is not None:
+            raise error
+
     def _launch_rest(self) -> list[int]:
         """Launch every bucket not launched yet, with zeros for the gradients that did
         not come (the collectives of all ranks stay in step); those parameters."""
@@ -561,7 +594,9 @@ class DistributedDataParallel(nn.Module):
                     continue
                 p = self._params[i]
                 avg = buffer[offset : offset + n].view_as(p)
-                if p.grad is None or p.grad.is_sparse:
+                if self._into is not None:
+                    self._into[p] = avg.clone()
+                elif p.grad is None or p.grad.is_sparse:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
@@ -627,6 +662,34 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
 _wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
     weakref.WeakKeyDictionary())
 _backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
+
+
+class _AverageInContext:
+    """Takes part in every distributed backward (``autograd.backward``) of a worker that
+    holds wrappers: those that ran a forward since their last averaged backward and got
+    gradients in the context average them there, one after the other in creation order
+    (the same on every rank). A pass that failed still issues their collectives, with a
+    status saying so, so that the other ranks raise instead of waiting."""
+
+    @staticmethod
+    def _taking_part(worker: Worker, grads: dict[torch.Tensor, torch.Tensor],
+                     failed: bool) -> list[DistributedDataParallel]:
+        return [w for ref in _wrappers.get(worker, []) if (w := ref()) is not None
+                and w._armed and w.require_backward_grad_sync and not w._active
+                and (failed or any(p in grads for p in w._params))]
+
+    async def done(self, worker: Worker, ctx: Any) -> None:
+        for wrapper in self._taking_part(worker, ctx.grads, False):
+            async with _backward_lock(worker, wrapper.group):
+                await wrapper._average_in_context(ctx.grads)
+
+    def failed(self, worker: Worker, ctx: Any) -> None:
+        for wrapper in self._taking_part(worker, ctx.grads, True):
+            wrapper._begin(deferred=False)
+            wrapper._issue_rest()
+
+
+after_backward.append(_AverageInContext())
 
 
 def _remove_hooks(handles: list[Any]) -> None:

@@ -775,3 +775,115 @@ async def test_copying_or_saving_a_wrapper_says_what_to_do_instead(make_group: A
         torch.save(ddp.state_dict(), io.BytesIO())
 
     await run_all(group, body)
+
+
+def _embedding() -> nn.Module:
+    torch.manual_seed(5)
+    return nn.EmbeddingBag(10, 4, mode="sum")
+
+
+def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)  # each trainer its own data
+    offsets = torch.tensor([0, 2, 4, 6])
+    return [(torch.randint(0, 10, (8,), generator=g), offsets, torch.randint(0, 3, (4,), generator=g))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_dist_autograd_backward_averages_ddp_gradients_as_torch(make_group: Any, mode: str) -> None:
+    """torch's "Combining DDP with distributed RPC": a remote embedding (worker0) feeds a
+    DDP-wrapped layer on each trainer; the trainers run a distributed backward and a
+    DistributedOptimizer step. The DDP gradients are averaged in the context, as torch's
+    DDP does inside dist_autograd.backward: the replicas stay equal, and equal to
+    single-process training on both trainers' batches."""
+    import actorgrad as ag
+
+    group: InProcessGroup = await make_group(3)
+    steps, lr = 3, 0.5
+    # the oracle: one process, the layer stepped on the mean of both trainers' gradients
+    emb = _embedding()
+    torch.manual_seed(1)  # the first trainer's layer: create() copies it to the other
+    fc = nn.Linear(4, 3)
+    data = {rank: _batches(rank, steps) for rank in (1, 2)}
+    for step in range(steps):
+        grads = [torch.autograd.grad(
+            nn.functional.cross_entropy(fc(emb(data[r][step][0], data[r][step][1])), data[r][step][2]),
+            list(fc.parameters())) for r in (1, 2)]
+        with torch.no_grad():
+            for p, g1, g2 in zip(fc.parameters(), *grads, strict=True):
+                p -= lr * (g1 + g2) / 2
+
+    async def body(rank: int) -> list[torch.Tensor] | None:
+        trainers = C.new_group([1, 2])
+        if rank == 0:
+            return None
+        emb_rref = ag.remote("worker0", _embedding)
+        torch.manual_seed(rank)  # different on purpose: create() copies the first one's
+        layer = nn.Linear(4, 3)
+        ddp = await DDP.create(layer, group=trainers)
+        opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [ag.RRef(p) for p in layer.parameters()], lr=lr)
+        for indices, offsets, target in _batches(rank, steps):
+            async with ag.autograd.context() as cid:
+                out = ddp(await emb_rref.rpc_async().forward(indices, offsets))
+                await ag.autograd.backward(cid, [nn.functional.cross_entropy(out, target)], mode=mode)
+                await opt.step(cid)
+            assert layer.weight.grad is None  # the context holds the gradients
+        return [p.detach().clone() for p in layer.parameters()]
+
+    _, params1, params2 = await run_all(group, body)
+    for a, b, want in zip(params1, params2, fc.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert_close(a, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward failed on purpose")
+
+
+def _through_failing_backward(x: torch.Tensor) -> torch.Tensor:
+    return _RaisesInBackward.apply(x)
+
+
+async def test_dist_autograd_backward_failing_on_one_trainer_fails_both_in_step(make_group: Any) -> None:
+    """A distributed backward that fails on one trainer still issues its DDP collectives
+    (saying it failed): the other trainer raises at once instead of waiting, and the
+    next iteration pairs up again."""
+    import actorgrad as ag
+
+    group: InProcessGroup = await make_group(3)
+
+    async def body(rank: int) -> tuple[list[str], list[torch.Tensor]] | None:
+        trainers = C.new_group([1, 2])
+        if rank == 0:
+            return None
+        layer = nn.Linear(4, 3)
+        ddp = await DDP.create(layer, group=trainers)
+        errors = []
+        for step in range(2):
+            x = torch.randn(2, 4)
+            async with ag.autograd.context() as cid:
+                if rank == 2 and step == 0:
+                    x = await ag.rpc_async("worker0", _through_failing_backward, args=(x.requires_grad_(),))
+                loss = ddp(x).sum()
+                try:
+                    await asyncio.wait_for(ag.autograd.backward(cid, [loss]), 20)
+                except (ag.RemoteError, RuntimeError) as exc:
+                    errors.append(f"{step}: {exc}")
+                    continue
+                grads = ag.autograd.get_gradients(cid)
+                with torch.no_grad():
+                    for p in layer.parameters():
+                        p -= 0.1 * grads[p]
+        return errors, [p.detach().clone() for p in layer.parameters()]
+
+    _, (errors1, params1), (errors2, params2) = await run_all(group, body)
+    assert len(errors2) == 1 and errors2[0].startswith("0:") and "on purpose" in errors2[0]
+    assert len(errors1) == 1 and errors1[0].startswith("0:") and "raised on 1 other rank" in errors1[0]
+    for a, b in zip(params1, params2, strict=True):
+        assert torch.equal(a, b)
