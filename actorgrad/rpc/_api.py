@@ -308,8 +308,11 @@ def send_request(
     try:
         reply = worker.call(dst, target, payload, timeout, decode)
     except BaseException:
-        _take_back(undo)  # never sent (too big for a frame, the peer gone)
+        _take_back(undo)  # never sent (too big for a frame, ...)
         raise
+    if reply.done():  # failed at once, never sent: the peer is gone
+        _take_back(undo)
+        return dst, reply
     # recorded once it left: a send that failed must not wait for gradients (the reply
     # cannot be handled before this returns, it comes through the loop)
     hooks.after_send(worker, meta, payload, dst)

@@ -792,13 +792,20 @@ class Worker:
         ``decode(payload)`` when ``decode`` is given (its exception, if it raises).
 
         Fails with RpcTimeout after ``timeout`` (default ``rpc_timeout``; 0: none), with
-        WorkerLost when the peer goes away, with RemoteError when the handler raised.
-        Cancelling the future tells the callee to drop the work.
+        WorkerLost when the peer goes away (or is gone already: the future fails, as
+        every other failure of a call does, so that callers collecting futures see it
+        where they wait), with RemoteError when the handler raised. Cancelling the
+        future tells the callee to drop the work.
         """
         if self.closed:
             raise RuntimeError(f"{self.name} is shut down")
         check_timeout(timeout)
-        peer = self.peer(to)
+        try:
+            peer = self.peer(to)
+        except WorkerLost as lost:
+            gone: asyncio.Future[Any] = self.loop.create_future()
+            gone.set_exception(lost)
+            return gone
         limit = self.options.rpc_timeout if timeout is None else timeout
         future = self._pending.add(peer, decode, limit)
         if self.tracer.enabled:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import actorgrad as ag
+from actorgrad.runtime import get_worker
 from actorgrad.testing import InProcessGroup, free_port
 from actorgrad.wire import Call, Connection, Established, Kind, Payload, tcp_endpoint
 from actorgrad.wire._connection import _encode
@@ -1270,3 +1271,22 @@ async def test_shutdown_stops_waiting_for_a_peer_gone_silent(make_process_group,
         assert any("worker1" in r.getMessage() and "shutdown" in r.getMessage() for r in caplog.records)
     finally:
         os.kill(group.pids[0], signal.SIGCONT)
+
+
+async def test_calls_to_a_worker_known_lost_fail_where_they_are_awaited(make_process_group, auth_env):
+    """As every other failure of a call, a call to a worker already known to be gone
+    fails its future (a list of calls gathered later sees it there), and remote()
+    returns its RRef at once, the failure surfacing on its first use (API.md)."""
+    group = await start_process_group(make_process_group, 3)
+    group.kill(2)
+    for _ in range(200):
+        if 2 not in get_worker().peers:
+            break
+        await asyncio.sleep(0.05)
+    calls = [ag.rpc_async(f"worker{r}", operator.add, args=(r, 1)) for r in (1, 2)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert results[0] == 2 and isinstance(results[1], ag.WorkerLost)
+    rref = ag.remote("worker2", operator.add, args=(1, 1))
+    with pytest.raises(ag.WorkerLost):
+        await rref.to_here()
+    assert await ag.rpc_async("worker1", operator.add, args=(2, 2)) == 4
