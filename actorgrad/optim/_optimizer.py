@@ -218,6 +218,7 @@ class DistributedOptimizer:
         self._id = (worker.rank, next(_ids))
         self._owners = sorted(by_owner)
         self._created: list[asyncio.Future[Payload]] = []
+        self._creation: asyncio.Future[list[Payload]] | None = None  # all of them, once awaited
         for owner, rrefs in by_owner.items():
             message = CreateOptimizer(optimizer_id=self._id, optimizer_class=optimizer_class,
                                       params=tuple(rrefs), args=args, kwargs=kwargs)
@@ -232,19 +233,32 @@ class DistributedOptimizer:
 
         Owners that took no part in the context have no gradients in it: their
         parameters stay as they are (as in torch). Every owner has answered before an
-        error is raised, so no step is still running when it is.
+        error is raised, so no step is still running when it is; a step given up here
+        (cancelled, timed out) also returns only once the owners' steps ended.
 
         Raises:
             ContextError: ``context_id`` is not a live context of this worker.
         """
         _context.context_actor(self._worker).get(context_id)
         if self._created:
-            await asyncio.gather(*self._created)
+            if self._creation is None:
+                self._creation = asyncio.gather(*self._created)
+            # shielded: a step given up here (a timeout) must not cancel the creation
+            # of the owners' optimizers, which every later step needs
+            await asyncio.shield(self._creation)
             self._created = []
         message = OptStep(optimizer_id=self._id, context_id=context_id).dump()
-        results = await asyncio.gather(
+        steps = asyncio.gather(
             *(self._worker.call(o, OptStep.TARGET, message) for o in self._owners), return_exceptions=True
         )
+        try:
+            results = await asyncio.shield(steps)
+        except asyncio.CancelledError:
+            # Given up here, the owners' steps run on (one on a thread pool cannot be
+            # stopped midway): wait for them (each bounded by the rpc timeout), so that
+            # the caller's next iteration never runs beside them on the parameters.
+            await steps
+            raise
         for result in results:
             if isinstance(result, BaseException):
                 raise result

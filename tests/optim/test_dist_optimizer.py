@@ -389,3 +389,55 @@ async def test_params_rref_must_be_a_list_of_rrefs_and_step_a_context_id(group2)
     opt = ag.optim.DistributedOptimizer(torch.optim.SGD, (r for r in [rref]), lr=0.1)  # any iterable
     with pytest.raises(TypeError, match="context_id must be the int"):
         await opt.step("x")  # type: ignore[arg-type]
+
+
+class SlowCreateSGD(torch.optim.SGD):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        super().__init__(*args, **kwargs)
+
+
+async def test_a_step_given_up_while_the_optimizers_are_created_leaves_it_usable(group2):
+    """The first step waits for the owners' optimizers; giving it up (a timeout) must
+    not cancel their creation: every later step needs them (they stayed cancelled)."""
+    rref = ag.remote("worker1", make_param, args=(31,))
+    before = await rref.to_here()
+    x = torch.rand(3, 3)
+    async with ag.autograd.context() as context_id:
+        await ag.autograd.backward(context_id, [scaled_sum(await rref.to_here(), x)])
+        opt = ag.optim.DistributedOptimizer(SlowCreateSGD, [rref], lr=0.5)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(opt.step(context_id), 0.1)
+        await asyncio.wait_for(opt.step(context_id), 10)
+    lp = clone_leaf(before)
+    (grad,) = torch.autograd.grad(scaled_sum(lp, x), lp)
+    torch.testing.assert_close(await rref.to_here(), lp.detach() - 0.5 * grad)
+
+
+def _steps_running() -> int:
+    return CountingSlowSGD.running
+
+
+async def test_a_step_given_up_ends_once_the_owners_step_did(group2):
+    """A step on an owner's thread pool cannot be stopped midway: a step given up at
+    the caller (timeout, cancel) returns only once it ended, so that the caller's next
+    iteration never runs beside it on the same parameters."""
+    rref = ag.remote("worker1", make_param, args=(32,))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(CountingSlowSGD, [rref], lr=1.0)
+    x = torch.rand(3, 3)
+    async with ag.autograd.context() as context_id:
+        await ag.autograd.backward(context_id, [scaled_sum(await rref.to_here(), x)])
+        await asyncio.wait_for(opt.step(context_id), 10)  # (the optimizer is created)
+    async with ag.autograd.context() as context_id:
+        await ag.autograd.backward(context_id, [scaled_sum(await rref.to_here(), x)])
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(opt.step(context_id), 0.1)
+        assert time.monotonic() - start >= 0.25  # the owner's 0.3 s step ended first
+        assert await ag.rpc_async("worker1", _steps_running) == 0
+    lp = clone_leaf(before)
+    for _ in range(2):
+        (grad,) = torch.autograd.grad(scaled_sum(lp, x), lp)
+        lp = clone_leaf(lp.detach() - grad)
+    torch.testing.assert_close(await rref.to_here(), lp.detach())
