@@ -35,7 +35,9 @@ class RpcOptions:
             listen address, or the address used to reach the rendezvous when listening
             on all interfaces).
         listen_port: port to listen on (0 picks a free one).
-        num_worker_threads: threads that run blocking remote functions off the loop.
+        num_worker_threads: threads that run blocking remote functions off the loop
+            (16, as TensorPipe's; started as needed). A function that blocks
+            (waits for other calls, a lock) holds one for as long as it waits.
         heartbeat_interval / heartbeat_timeout: an idle connection is pinged every
             interval; a peer silent for longer than the timeout while calls to it are
             outstanding is declared lost.
@@ -74,7 +76,7 @@ class RpcOptions:
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None
     listen_port: int = 0
-    num_worker_threads: int = 8
+    num_worker_threads: int = 16
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 6.0
     init_timeout: float = 60.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,11 @@ from typing import Any
 _STOP = object()
 _JOIN_SECONDS = 2.0  # how long close() waits for threads to finish their last job
 _GRACE = 0.002  # seconds queued jobs may wait on busy threads before another starts
+# jobs waiting this long behind every thread, none of which finished anything
+# meanwhile: the pool is full of blocked functions, and their callers will time out
+_SATURATED_SECONDS = 5.0
+
+log = logging.getLogger("actorgrad")
 
 
 class ThreadPool:
@@ -39,6 +45,7 @@ class ThreadPool:
         self._free: list[bool] = []  # per thread: blocked waiting for a job (or about to)
         self._check: asyncio.TimerHandle | None = None
         self._closed = False
+        self._said_full = False  # warned since the pool last had a free thread
         self.in_flight = 0  # jobs submitted whose result the loop has not received yet
 
     def submit(self, fn: Callable[[], Any], ctx: contextvars.Context) -> asyncio.Future[Any]:
@@ -53,22 +60,38 @@ class ThreadPool:
         self._jobs.put((fn, ctx, future))
         if not self._threads:
             self._start_thread()
-        elif self._check is None and len(self._threads) < self._max:
-            self._check = self._loop.call_later(_GRACE, self._check_backlog, self._finished)
+        elif self._check is None:
+            self._schedule_check()
         return future
 
+    def _schedule_check(self) -> None:
+        delay = _GRACE if len(self._threads) < self._max else _SATURATED_SECONDS
+        self._check = self._loop.call_later(delay, self._check_backlog, self._finished)
+
     def _check_backlog(self, finished_before: int) -> None:
-        """Start a thread if jobs are still queued and nothing finished meanwhile."""
+        """Start a thread if jobs are still queued and nothing finished meanwhile; say
+        so when they wait behind every thread for long."""
         self._check = None
         if self._closed or self._jobs.empty():
+            self._said_full = False
             return
         if self._finished == finished_before and True not in self._free:
             # every thread is stuck in a job (a free one may merely not have run yet:
             # GIL, busy CPU); one more thread per waiting job, up to the limit
-            for _ in range(min(self._jobs.qsize(), self._max - len(self._threads))):
-                self._start_thread()
-        if len(self._threads) < self._max:
-            self._check = self._loop.call_later(_GRACE, self._check_backlog, self._finished)
+            if len(self._threads) < self._max:
+                for _ in range(min(self._jobs.qsize(), self._max - len(self._threads))):
+                    self._start_thread()
+            elif not self._said_full:
+                self._said_full = True
+                log.warning(
+                    "%s: all %d threads have been busy for %.0fs with %d function(s) waiting "
+                    "behind them, whose callers may time out: functions that block (wait for "
+                    "each other, a lock, an event) hold a thread each; raise "
+                    "RpcOptions(num_worker_threads=...) or make them `async def`",
+                    self._name, self._max, _SATURATED_SECONDS, self._jobs.qsize())
+        elif True in self._free:
+            self._said_full = False
+        self._schedule_check()
 
     def _start_thread(self) -> None:
         index = len(self._threads)
