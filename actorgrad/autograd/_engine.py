@@ -103,7 +103,6 @@ def _run_backward(*call: Any) -> Any:
     return engine_calls.run(_torch_run_backward, *call)
 
 
-
 T = TypeVar("T")
 
 

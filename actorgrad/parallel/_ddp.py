@@ -668,23 +668,25 @@ class _AverageInContext:
     """Takes part in every distributed backward (``autograd.backward``) of a worker that
     holds wrappers: those that ran a forward since their last averaged backward and got
     gradients in the context average them there, one after the other in creation order
-    (the same on every rank). A pass that failed still issues their collectives, with a
-    status saying so, so that the other ranks raise instead of waiting."""
+    (the same on every rank). A pass that failed after it reached them still issues
+    their collectives, with a status saying so, so that the other ranks raise instead of
+    waiting."""
 
     @staticmethod
-    def _taking_part(worker: Worker, grads: dict[torch.Tensor, torch.Tensor],
-                     failed: bool) -> list[DistributedDataParallel]:
+    def _taking_part(worker: Worker, grads: dict[torch.Tensor, torch.Tensor]) -> list[DistributedDataParallel]:
+        # (a wrapper the pass did not reach, e.g. one waiting for its own ddp.backward,
+        # is left alone, also when the pass failed: its collectives are not this pass's)
         return [w for ref in _wrappers.get(worker, []) if (w := ref()) is not None
                 and w._armed and w.require_backward_grad_sync and not w._active
-                and (failed or any(p in grads for p in w._params))]
+                and any(p in grads for p in w._params)]
 
     async def done(self, worker: Worker, ctx: Any) -> None:
-        for wrapper in self._taking_part(worker, ctx.grads, False):
+        for wrapper in self._taking_part(worker, ctx.grads):
             async with _backward_lock(worker, wrapper.group):
                 await wrapper._average_in_context(ctx.grads)
 
     def failed(self, worker: Worker, ctx: Any) -> None:
-        for wrapper in self._taking_part(worker, ctx.grads, True):
+        for wrapper in self._taking_part(worker, ctx.grads):
             wrapper._begin(deferred=False)
             wrapper._issue_rest()
 

@@ -887,3 +887,32 @@ async def test_dist_autograd_backward_failing_on_one_trainer_fails_both_in_step(
     assert len(errors1) == 1 and errors1[0].startswith("0:") and "raised on 1 other rank" in errors1[0]
     for a, b in zip(params1, params2, strict=True):
         assert torch.equal(a, b)
+
+
+async def test_a_failed_dist_backward_that_did_not_reach_a_wrapper_leaves_it_alone(make_group: Any) -> None:
+    """A wrapper waiting for its own ddp.backward is not this distributed pass's: when
+    the pass fails on one rank before reaching it, that rank issues none of its
+    collectives, and the ddp.backward of every rank still pairs up and averages."""
+    import actorgrad as ag
+
+    group: InProcessGroup = await make_group(2)
+    reference = mlp(0)
+    nn.functional.mse_loss(reference(X), Y).backward()
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        model = mlp(0)
+        ddp = await DDP.create(model)
+        shard = slice(4 * rank, 4 * rank + 4)
+        loss = nn.functional.mse_loss(ddp(X[shard]), Y[shard])  # armed, for ddp.backward
+        if rank == 1:
+            async with ag.autograd.context() as cid:
+                x = await ag.rpc_async("worker0", _through_failing_backward, args=(torch.ones(2, requires_grad=True),))
+                with pytest.raises(ag.RemoteError, match="on purpose"):
+                    await ag.autograd.backward(cid, [x.sum()])
+        await asyncio.wait_for(ddp.backward(loss), 20)
+        return [p.grad.clone() for p in model.parameters()]
+
+    grads0, grads1 = await run_all(group, body)
+    for a, b, want in zip(grads0, grads1, reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert_close(a, want.grad, rtol=1e-5, atol=1e-6)
