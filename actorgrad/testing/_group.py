@@ -32,6 +32,9 @@ from .._ports import pick_rendezvous_port
 from ..runtime import RpcOptions, Worker, _current
 
 T = TypeVar("T")
+# how long a worker that worker0 declared lost (stopped, cut off) gets to exit at
+# shutdown before it is killed: it cannot hear that worker0 left
+_LOST_GRACE = 2.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -155,14 +158,22 @@ class LocalGroup:
         A group shut down already is left as it is (a notebook cell run twice must not
         end a group started since)."""
         worker = self.worker
+        lost: set[int] = set()
         if worker is not None and not worker.closed:
+            # (a worker declared lost, stopped or cut off, will not follow worker0 out)
+            lost = {rank for rank in range(1, len(self.processes) + 1) if rank not in worker.peers}
             await worker.shutdown(graceful=graceful, timeout=timeout)
         if worker is not None:
             _forget([worker])
         deadline = time.monotonic() + timeout
-        for proc in self.processes:
-            while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a child
+        soon = min(deadline, time.monotonic() + _LOST_GRACE)
+        for rank, proc in enumerate(self.processes, start=1):
+            until = soon if rank in lost else deadline
+            while proc.poll() is None and time.monotonic() < until:  # noqa: ASYNC110 - polling a child
                 await asyncio.sleep(0.05)
+            if rank in lost and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         self.end_processes(deadline)
 
     def end_processes(self, deadline: float) -> None:

@@ -1290,3 +1290,20 @@ async def test_calls_to_a_worker_known_lost_fail_where_they_are_awaited(make_pro
     with pytest.raises(ag.WorkerLost):
         await rref.to_here()
     assert await ag.rpc_async("worker1", operator.add, args=(2, 2)) == 4
+
+
+@pytest.mark.slow
+async def test_local_group_shutdown_does_not_wait_long_for_a_worker_declared_lost(make_process_group, auth_env):
+    """A stopped worker that worker0 declared lost cannot hear that worker0 left: the
+    group's shutdown kills it after a short grace instead of its whole timeout."""
+    group = await start_process_group(
+        make_process_group, 2, ag.RpcOptions(heartbeat_interval=0.2, heartbeat_timeout=1.0))
+    pending = ag.rpc_async("worker1", time.sleep, args=(30,), timeout=0)
+    await asyncio.sleep(0.3)
+    os.kill(group.pids[0], signal.SIGSTOP)
+    with pytest.raises(ag.WorkerLost):
+        await asyncio.wait_for(pending, 10)
+    start = time.monotonic()
+    await group.shutdown(timeout=20)
+    assert time.monotonic() - start < 8
+    assert group.processes[0].poll() is not None  # killed, not left stopped
