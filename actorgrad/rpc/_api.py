@@ -391,17 +391,17 @@ def rpc_sync(
     """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
     calling another worker) and in Jupyter's running loop."""
     worker = get_worker()
-    return run_sync(worker, _in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)),
-                    _answer_within(worker, timeout))
+    return run_sync(worker, in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)),
+                    answer_within(worker, timeout))
 
 
-def _answer_within(worker: Worker, timeout: float | None) -> float | None:
+def answer_within(worker: Worker, timeout: float | None) -> float | None:
     """The time limit of a call made with ``timeout`` (None: no limit)."""
     limit = worker.options.rpc_timeout if timeout is None else timeout
     return limit if isinstance(limit, (int, float)) and limit > 0 else None
 
 
-def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
+def in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
     """``start`` as it would run in this thread: run_sync runs it on the loop thread,
     and grad mode (kept per thread by torch) decides whether the call is recorded in
     the autograd context, so a remote function's ``torch.no_grad()`` block counts."""
@@ -434,9 +434,9 @@ def remote(
     args, kwargs = call_arguments("remote", args, kwargs, timeout)
     worker = get_worker()
     if not on_loop(worker):
-        return run_sync(worker, _in_callers_grad_mode(
+        return run_sync(worker, in_callers_grad_mode(
             lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout))),
-            _answer_within(worker, timeout))
+            answer_within(worker, timeout))
     return create_remote(worker, to, func, args, kwargs, timeout)
 
 
