@@ -563,13 +563,22 @@ def _rref_grad(rref: ag.RRef, context_id: int) -> torch.Tensor:
     return ag.autograd.get_gradients(context_id)[rref.local_value()]
 
 
-async def test_rref_fetched_by_a_third_worker(group3):
-    """worker0 hands an RRef to worker2's tensor to worker1, which fetches it in the context."""
+def fetch_and_mul_blocking(rref: ag.RRef, x: torch.Tensor) -> torch.Tensor:
+    """torch's pipeline tutorial style: a plain method on the callee's thread pool
+    fetches its input with a blocking to_here."""
+    p = rref.to_here_sync()
+    return p * x + p.sum()
+
+
+@pytest.mark.parametrize("fetch", [fetch_and_mul, fetch_and_mul_blocking])
+async def test_rref_fetched_by_a_third_worker(group3, fetch):
+    """worker0 hands an RRef to worker2's tensor to worker1, which fetches it in the
+    context (awaiting to_here, or blocking in to_here_sync on its thread pool)."""
     x = rand3()
     rref = ag.remote("worker2", make_leaf, args=(3,))
     before = await rref.to_here()
     async with ag.autograd.context() as context_id:
-        r = await ag.rpc_async("worker1", fetch_and_mul, args=(rref, x))
+        r = await ag.rpc_async("worker1", fetch, args=(rref, x))
         await ag.autograd.backward(context_id, [(r * r).sum()])
         grads = ag.autograd.get_gradients(context_id)
         owner_grad = await ag.rpc_async("worker2", _rref_grad, args=(rref, context_id))
@@ -578,28 +587,6 @@ async def test_rref_fetched_by_a_third_worker(group3):
     assert_grads(grads, [(x, lx.grad)])
     torch.testing.assert_close(owner_grad, lp.grad)
     await wait_released(["worker0", "worker1", "worker2"])
-
-
-def fetch_and_mul_blocking(rref: ag.RRef, x: torch.Tensor) -> torch.Tensor:
-    """torch's pipeline tutorial style: a plain method on the callee's thread pool
-    fetches its input with a blocking to_here."""
-    p = rref.to_here_sync()
-    return p * x + p.sum()
-
-
-async def test_rref_fetched_by_a_blocking_function_of_a_third_worker(group3):
-    x = rand3()
-    rref = ag.remote("worker2", make_leaf, args=(3,))
-    before = await rref.to_here()
-    async with ag.autograd.context() as context_id:
-        r = await ag.rpc_async("worker1", fetch_and_mul_blocking, args=(rref, x))
-        await ag.autograd.backward(context_id, [(r * r).sum()])
-        grads = ag.autograd.get_gradients(context_id)
-        owner_grad = await ag.rpc_async("worker2", _rref_grad, args=(rref, context_id))
-    lp, lx = local_copies(before, x)
-    ((lp * lx + lp.sum()) ** 2).sum().backward()
-    assert_grads(grads, [(x, lx.grad)])
-    torch.testing.assert_close(owner_grad, lp.grad)
 
 
 async def backward_on_callee(x: torch.Tensor) -> float:
