@@ -153,6 +153,7 @@ class GraphTask:
     relay_table: dict[tuple[int, int], Relay] = field(default_factory=dict)  # all known, in order
     relays_told: dict[int, int] = field(default_factory=dict)  # peer -> table entries sent to it
     declared: bool = False  # our own relays are in the table
+    started_here: bool = False  # this worker called backward(); the others take part
 
 
 @dataclass(slots=True, frozen=True)
@@ -528,6 +529,9 @@ class EngineActor:
         assert task.plan is not None
         plan = task.plan
         feeds = plan.feeds[key]
+        if after_backward and not task.started_here and feeds.leaves:
+            for hook in after_backward:
+                hook.reached_elsewhere(self.worker, ctx, feeds.leaves)
         it = iter(results)
         for leaf in feeds.leaves:
             if (grad := next(it)) is not None:
@@ -877,6 +881,10 @@ class AfterBackward(Protocol):
         """The pass failed or was cancelled: issue, without waiting, what the other
         ranks expect of this one."""
 
+    def reached_elsewhere(self, worker: Worker, ctx: DistContext, leaves: Sequence[torch.Tensor]) -> None:
+        """A pass started on another worker is about to give ``leaves`` of this one
+        their gradients (may raise: the pass fails)."""
+
 
 after_backward: list[AfterBackward] = []
 
@@ -945,7 +953,7 @@ async def backward(
             "pass retain_graph=True to the earlier call to backpropagate again"
         )
     engine = engine_actor(worker)
-    task = GraphTask(contexts.new_id(), mode, retain_graph)
+    task = GraphTask(contexts.new_id(), mode, retain_graph, started_here=True)
     ctx.graph_tasks[task.backward_id] = task
     running = False
     try:

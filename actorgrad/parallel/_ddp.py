@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from .. import collective as C
+from ..autograd._context import current_context
 from ..autograd._engine import after_backward
 from ..collective._api import refuse_next, start_all_reduce, start_broadcast
 from ..runtime import Worker, get_worker
@@ -157,6 +158,7 @@ class DistributedDataParallel(nn.Module):
         # where the averages go: .grad, or a distributed autograd context's gradients
         self._into: dict[torch.Tensor, torch.Tensor] | None = None
         self._armed = False  # a forward ran since the last synced backward
+        self._forward_context: int | None = None  # the autograd context it ran in
         _wrappers.setdefault(worker, []).append(weakref.ref(self))
 
     @classmethod
@@ -275,6 +277,9 @@ class DistributedDataParallel(nn.Module):
         out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._armed = True  # as torch's reducer, prepared for the next backward
+            # a distributed backward in this context averages it (see _AverageInContext)
+            context = current_context.get()
+            self._forward_context = None if context is None else context.context_id
         if self.find_unused_parameters and torch.is_grad_enabled():
             self._unused = self._find_unused(out)
         return out
@@ -445,15 +450,19 @@ class DistributedDataParallel(nn.Module):
     async def _average_in_context(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
         """After a distributed backward on this worker: average the gradients it left in
         its context (``grads``) over the group, there, as torch's DDP does inside
-        ``dist_autograd.backward``; the same collectives and checks as :meth:`backward`."""
-        self._begin(deferred=False)
+        ``dist_autograd.backward``; the same collectives and checks as :meth:`backward`.
+        (Deferred: no bucket goes out before every slot holds the context's value.)"""
+        self._begin(deferred=True)
         error: Exception | None = None
         try:
             for i, p in enumerate(self._params):
                 grad = grads.get(p)
-                if self._claimed[i]:  # unused at forward (find_unused_parameters)
+                if self._claimed[i]:  # unused at forward (find_unused_parameters): the
+                    # context's gradient or zero, never a .grad left by another backward
                     if grad is not None:
                         self._fill_slot(i, grad)
+                    else:
+                        self._zero_slot(i)
                 elif grad is not None:
                     self._claimed[i] = True
                     self._fill_slot(i, grad)
@@ -666,29 +675,42 @@ _backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = we
 
 class _AverageInContext:
     """Takes part in every distributed backward (``autograd.backward``) of a worker that
-    holds wrappers: those that ran a forward since their last averaged backward and got
-    gradients in the context average them there, one after the other in creation order
-    (the same on every rank). A pass that failed after it reached them still issues
-    their collectives, with a status saying so, so that the other ranks raise instead of
-    waiting."""
+    holds wrappers: those whose forward ran in the context since their last averaged
+    backward average the gradients it left there, one after the other in creation order
+    (the same on every rank). A pass that failed still issues their collectives, with a
+    status saying so, so that the other ranks raise instead of waiting. A pass started
+    on another worker that reaches their parameters fails, naming the problem: it would
+    leave them unaveraged (torch averages them wherever they are)."""
 
     @staticmethod
-    def _taking_part(worker: Worker, grads: dict[torch.Tensor, torch.Tensor]) -> list[DistributedDataParallel]:
-        # (a wrapper the pass did not reach, e.g. one waiting for its own ddp.backward,
-        # is left alone, also when the pass failed: its collectives are not this pass's)
+    def _taking_part(worker: Worker, ctx: Any) -> list[DistributedDataParallel]:
+        # those whose forward ran in this context, whatever gradients came (on every
+        # rank alike); one waiting for its own ddp.backward is left alone
         return [w for ref in _wrappers.get(worker, []) if (w := ref()) is not None
                 and w._armed and w.require_backward_grad_sync and not w._active
-                and any(p in grads for p in w._params)]
+                and w._forward_context == ctx.context_id]
 
     async def done(self, worker: Worker, ctx: Any) -> None:
-        for wrapper in self._taking_part(worker, ctx.grads):
+        for wrapper in self._taking_part(worker, ctx):
             async with _backward_lock(worker, wrapper.group):
                 await wrapper._average_in_context(ctx.grads)
 
     def failed(self, worker: Worker, ctx: Any) -> None:
-        for wrapper in self._taking_part(worker, ctx.grads):
+        for wrapper in self._taking_part(worker, ctx):
             wrapper._begin(deferred=False)
             wrapper._issue_rest()
+
+    def reached_elsewhere(self, worker: Worker, ctx: Any, leaves: Any) -> None:
+        ids = {id(leaf) for leaf in leaves}
+        for wrapper in self._taking_part(worker, ctx):
+            if any(id(p) in ids for p in wrapper._params):
+                raise RuntimeError(
+                    f"parameters of a DistributedDataParallel module on {worker.name} got "
+                    "gradients in a distributed backward started on another worker: they are "
+                    "averaged over the group only when the worker holding them calls "
+                    "`await ag.autograd.backward(context_id, [loss])` (each trainer runs the "
+                    "backward of its own loss), or with `await ddp.backward(loss)`"
+                )
 
 
 after_backward.append(_AverageInContext())

@@ -85,9 +85,10 @@ class ThreadPool:
                 self._said_full = True
                 log.warning(
                     "%s: all %d threads have been busy for %.0fs with %d function(s) waiting "
-                    "behind them, whose callers may time out: functions that block (wait for "
-                    "each other, a lock, an event) hold a thread each; raise "
-                    "RpcOptions(num_worker_threads=...) or make them `async def`",
+                    "behind them, whose callers may time out: each long or blocking function "
+                    "holds a thread; if they wait for each other (a barrier, a lock, an event) "
+                    "or simply take long, raise RpcOptions(num_worker_threads=...) or make the "
+                    "waiting ones `async def`",
                     self._name, self._max, _SATURATED_SECONDS, self._jobs.qsize())
         elif True in self._free:
             self._said_full = False

@@ -707,6 +707,17 @@ class WithNorm(nn.Module):
         return self.norm(self.lin(x))
 
 
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)
+        return grad
+
+
 async def test_a_backward_cancelled_on_one_rank_keeps_the_ranks_in_step(make_group: Any) -> None:
     """Rank 0 gives up its step-1 backward at once (wait_for): it issues the rest of
     that step's collectives anyway, the other rank's step fails saying so, and the next
@@ -722,8 +733,8 @@ async def test_a_backward_cancelled_on_one_rank_keeps_the_ranks_in_step(make_gro
             model.zero_grad(set_to_none=True)
             loss = ddp(X[4 * rank : 4 * rank + 4]).square().mean()
             try:
-                if step == 1 and rank == 0:
-                    await asyncio.wait_for(ddp.backward(loss), 0.0001)
+                if step == 1 and rank == 0:  # given up while its local backward runs
+                    await asyncio.wait_for(ddp.backward(_SlowBackward.apply(loss)), 0.05)
                 else:
                     await ddp.backward(loss)
                 outcomes.append("ok")
@@ -868,9 +879,9 @@ async def test_dist_autograd_backward_failing_on_one_trainer_fails_both_in_step(
         for step in range(2):
             x = torch.randn(2, 4)
             async with ag.autograd.context() as cid:
-                if rank == 2 and step == 0:
-                    x = await ag.rpc_async("worker0", _through_failing_backward, args=(x.requires_grad_(),))
                 loss = ddp(x).sum()
+                if rank == 2 and step == 0:  # fails before any gradient reaches the layer
+                    loss = (await ag.rpc_async("worker0", _through_failing_backward, args=(loss,))).sum()
                 try:
                     await asyncio.wait_for(ag.autograd.backward(cid, [loss]), 20)
                 except (ag.RemoteError, RuntimeError) as exc:
@@ -916,3 +927,73 @@ async def test_a_failed_dist_backward_that_did_not_reach_a_wrapper_leaves_it_alo
     for a, b, want in zip(grads0, grads1, reference.parameters(), strict=True):
         assert torch.equal(a, b)
         assert_close(a, want.grad, rtol=1e-5, atol=1e-6)
+
+
+_REPLICAS: dict[str, DDP] = {}
+
+
+async def _make_replica(group_ranks: list[int]) -> None:
+    import actorgrad as ag
+
+    trainers = C.new_group(group_ranks)
+    torch.manual_seed(0)
+    _REPLICAS[ag.get_worker_info().name] = await DDP.create(nn.Linear(4, 3), group=trainers)
+
+
+def _replica_forward(x: torch.Tensor) -> torch.Tensor:
+    import actorgrad as ag
+
+    return _REPLICAS[ag.get_worker_info().name](x)
+
+
+async def test_dist_backward_started_elsewhere_refuses_to_leave_ddp_unaveraged(make_group: Any) -> None:
+    """Replicas on worker1 and worker2 whose forwards worker0 ran by RPC: a backward
+    started on worker0 would leave their gradients unaveraged (torch averages them
+    wherever they are); it fails naming the problem instead of letting them drift."""
+    import actorgrad as ag
+
+    group: InProcessGroup = await make_group(3)
+    C.new_group([1, 2])  # (every worker creates the group, worker0 too)
+    await asyncio.gather(*(group.run_as(r, _make_replica, [1, 2]) for r in (1, 2)))
+    async with ag.autograd.context() as cid:
+        outs = [await ag.rpc_async(f"worker{r}", _replica_forward, args=(torch.randn(2, 4),)) for r in (1, 2)]
+        with pytest.raises(ag.RemoteError, match="started on another worker"):
+            await ag.autograd.backward(cid, [sum(o.sum() for o in outs)])
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+async def test_dist_backward_unused_parameters_average_zeros_not_a_stale_grad(make_group: Any) -> None:
+    """find_unused_parameters in a distributed backward: a parameter one rank did not
+    use counts as zero there, as in ddp.backward, not as the .grad an earlier
+    ddp.backward left on it (the context's gradients have nothing to do with .grad)."""
+    import actorgrad as ag
+
+    group: InProcessGroup = await make_group(2)
+    reference = _TwoBranches()
+    want = [torch.autograd.grad(reference(X[4 * r : 4 * r + 4], r == 0).sum(), list(reference.parameters()),
+                                allow_unused=True) for r in (0, 1)]
+
+    async def body(rank: int) -> dict[str, torch.Tensor]:
+        model = _TwoBranches()
+        ddp = await DDP.create(model, find_unused_parameters=True)
+        await ddp.backward(ddp(X[:4], True).sum())  # leaves .grad on every parameter
+        async with ag.autograd.context() as cid:
+            loss = ddp(X[4 * rank : 4 * rank + 4], rank == 0).sum()
+            await ag.autograd.backward(cid, [loss])
+            grads = ag.autograd.get_gradients(cid)
+            return {n: grads[p].clone() for n, p in model.named_parameters()}
+
+    got0, got1 = await run_all(group, body)
+    for i, (name, _) in enumerate(reference.named_parameters()):
+        expected = sum(g[i] if g[i] is not None else 0 for g in want) / 2
+        assert torch.equal(got0[name], got1[name])
+        assert_close(got0[name], expected, rtol=1e-5, atol=1e-6)
