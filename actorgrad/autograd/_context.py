@@ -129,7 +129,7 @@ class RecvRpcBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        if not engine_calls.count:
+        if not engine_calls.ours(grad):
             # somebody's local backward (loss.backward()) reached a received tensor: its
             # gradient cannot travel back that way (torch refuses it too)
             raise RuntimeError(
@@ -143,24 +143,36 @@ class RecvRpcBackward(torch.autograd.Function):
 
 
 class _EngineCalls:
-    """How many torch calls of the distributed engine run now, on any thread. A recv
-    function runs inside one of them, or else inside somebody's local backward, where
-    its gradient could never travel back (see ``RecvRpcBackward.backward``)."""
+    """The torch calls of the distributed engine running now. A recv function runs
+    inside one of them, or else inside somebody's local backward, where its gradient
+    could never travel back (see ``RecvRpcBackward.backward``)."""
 
-    __slots__ = ("_lock", "count")
+    __slots__ = ("_here", "_lock", "count")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.count = 0
+        self.count = 0  # on any thread
+        self._here = threading.local()  # .count: on this thread
 
     def run(self, fn: Any, *args: Any) -> Any:
+        here = self._here
         with self._lock:
             self.count += 1
+        here.count = getattr(here, "count", 0) + 1
         try:
             return fn(*args)
         finally:
+            here.count -= 1
             with self._lock:
                 self.count -= 1
+
+    def ours(self, grad: torch.Tensor) -> bool:
+        """Whether a recv function getting ``grad`` runs in one of our calls. torch runs
+        CPU nodes on the thread that called its engine, so for them that thread says;
+        other devices have threads of their own, where any call of ours running counts."""
+        if getattr(self._here, "count", 0):
+            return True
+        return grad.device.type != "cpu" and self.count > 0
 
 
 engine_calls = _EngineCalls()

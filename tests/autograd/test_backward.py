@@ -509,6 +509,32 @@ async def test_a_local_backward_through_a_received_tensor_is_refused(group2):
     assert_grads(grads, [(x, lx.grad)])
 
 
+async def test_a_local_backward_is_refused_while_the_engine_runs_on_another_thread(group2):
+    """The check holds while a distributed backward runs elsewhere in the process
+    (another context, another thread): it asks the thread that runs the node."""
+    import threading
+
+    from actorgrad.autograd._context import engine_calls
+
+    x = rand3()
+    async with ag.autograd.context():
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2))
+        started, release = threading.Event(), threading.Event()
+
+        def engine_call_elsewhere() -> None:
+            engine_calls.run(lambda: (started.set(), release.wait(10)))
+
+        elsewhere = threading.Thread(target=engine_call_elsewhere)
+        elsewhere.start()
+        try:
+            assert started.wait(10)
+            with pytest.raises(RuntimeError, match=r"ag\.autograd\.backward"):
+                (y * y).sum().backward()
+        finally:
+            release.set()
+            elsewhere.join(10)
+
+
 # -- what travels: views, containers, parameters, modules, RRefs -----------------------------
 
 
