@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from ._actor import CollectiveActor
 
 NUDGE_TARGET = "collective.arena_nudge"
-SLEEP_POLL_S = 1e-3  # a sleeping member's timer
+SLEEP_POLL_S = 1e-3  # a sleeping member's timer, at first; a nudge wakes it anyway, so
+SLEEP_POLL_MAX_S = 0.05  # it only covers a lost one: it doubles up to this while waiting
 SPIN_US = 2000  # polling without progress this long makes a member sleep
 
 
@@ -88,6 +89,7 @@ class ArenaChannel:
         self._busy: dict[int, _GroupArena] = {}  # groups with running arena operations
         self._handle: asyncio.Handle | None = None
         self._timer = False  # _handle is the sleeping timer
+        self._sleep_s = SLEEP_POLL_S  # its next delay
         self._spin_until = 0.0
         self.worker.register(NUDGE_TARGET, self._on_nudge, tell_only=True)
 
@@ -286,6 +288,7 @@ class ArenaChannel:
     def _on_nudge(self, peer: Any, payload: Payload) -> None:
         if self._busy:
             self._spin_until = self.loop.time() + self.spin_s
+            self._sleep_s = SLEEP_POLL_S
             self._kick()
 
     def _kick(self) -> None:
@@ -329,6 +332,7 @@ class ArenaChannel:
         now = self.loop.time()
         if self._advance_all():
             self._spin_until = now + self.spin_s
+            self._sleep_s = SLEEP_POLL_S
         if not self._busy or self.actor.closed:
             return
         if now < self._spin_until and not self.worker.pool_busy:
@@ -348,8 +352,11 @@ class ArenaChannel:
             self._handle = self.loop.call_soon(self._poll)
             return
         if self._busy:
-            self._handle = self.loop.call_later(SLEEP_POLL_S, self._poll)
+            # a member that sleeps until the others come (rank 0 evaluating for minutes)
+            # must not wake a thousand times a second meanwhile
+            self._handle = self.loop.call_later(self._sleep_s, self._poll)
             self._timer = True
+            self._sleep_s = min(2 * self._sleep_s, SLEEP_POLL_MAX_S)
 
     def forget(self, gid: int) -> None:
         """A group destroyed here: unmap its arena (and its memory file)."""

@@ -382,3 +382,32 @@ async def test_destroyed_groups_free_their_arenas_and_state(make_group: Any) -> 
         return "failed as expected"
 
     assert (await run_all(group, waiting))[0] == "failed as expected"
+
+
+async def test_a_member_waiting_long_in_the_arena_backs_off(make_group: Any) -> None:
+    """A member waiting in a tiny all-reduce while another takes its time (evaluating,
+    checkpointing) sleeps: its timer only covers a lost nudge, so it backs off instead
+    of waking the process a thousand times a second for as long as the wait lasts."""
+    group: InProcessGroup = await make_group(2)
+    await _warm_up(group)
+    channel = actor(group.workers[1]).arenas
+    wakeups = 0  # by the sleeping timer (spinning first is another matter)
+    poll = channel._poll
+
+    def counted() -> None:
+        nonlocal wakeups
+        wakeups += channel._timer
+        poll()
+
+    channel._poll = counted  # type: ignore[method-assign]
+
+    async def body(rank: int) -> torch.Tensor:
+        t = torch.tensor([float(rank + 1)])
+        if rank == 0:
+            await asyncio.sleep(1.0)
+        await C.all_reduce(t)
+        return t
+
+    results = await run_all(group, body)
+    assert all(r.item() == 3.0 for r in results)
+    assert wakeups < 60, wakeups  # (a thousand a second before)
