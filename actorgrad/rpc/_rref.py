@@ -324,7 +324,13 @@ class RRef(Generic[T]):
         if self._value is not None:
             return await self._owner_value(self._value, timeout)
         src, reply = _api.send_request(worker, self._owner, "rref.fetch", (self._id,), timeout)
-        return _api.load_value(worker, await reply, src)
+        try:
+            payload = await reply
+        finally:
+            # a failed fetch's future holds the error, whose traceback holds this frame:
+            # without this the cycle kept the RRef (and the owner's entry) until a gc
+            del reply
+        return _api.load_value(worker, payload, src)
 
     def to_here_sync(self, timeout: float | None = None) -> T:
         """Blocking :meth:`to_here` (torch's ``rref.to_here()``), for plain code: a
