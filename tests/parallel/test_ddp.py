@@ -707,11 +707,13 @@ class WithNorm(nn.Module):
         return self.norm(self.lin(x))
 
 
-class _SlowBackward(torch.autograd.Function):
+class _Identity(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
+
+class _SlowBackward(_Identity):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         time.sleep(0.3)
@@ -847,11 +849,7 @@ async def test_dist_autograd_backward_averages_ddp_gradients_as_torch(make_group
         assert_close(a, want.detach(), rtol=1e-5, atol=1e-6)
 
 
-class _RaisesInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
+class _RaisesInBackward(_Identity):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise ValueError("backward failed on purpose")
