@@ -142,37 +142,20 @@ class RecvRpcBackward(torch.autograd.Function):
         return None, grad
 
 
-class _EngineCalls:
-    """The torch calls of the distributed engine running now. A recv function runs
-    inside one of them, or else inside somebody's local backward, where its gradient
-    could never travel back (see ``RecvRpcBackward.backward``)."""
+class _EngineCalls(threading.local):
+    """How many torch calls of the distributed engine run on this thread. A recv
+    function runs inside one of them, or else inside somebody's local backward, where
+    its gradient could never travel back (see ``RecvRpcBackward.backward``). torch runs
+    CPU nodes on the thread that called its engine, so that thread's count says; the
+    nodes of other devices run on torch's device threads, where nobody can tell: those
+    are not checked. (Per thread, so no lock: the engine calls it from the loop and the
+    pool at once, and it costs each call two attribute updates.)"""
 
-    __slots__ = ("_here", "_lock", "count")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0  # on any thread
-        self._here = threading.local()  # .count: on this thread
-
-    def run(self, fn: Any, *args: Any) -> Any:
-        here = self._here
-        with self._lock:
-            self.count += 1
-        here.count = getattr(here, "count", 0) + 1
-        try:
-            return fn(*args)
-        finally:
-            here.count -= 1
-            with self._lock:
-                self.count -= 1
+    count = 0
 
     def ours(self, grad: torch.Tensor) -> bool:
-        """Whether a recv function getting ``grad`` runs in one of our calls. torch runs
-        CPU nodes on the thread that called its engine, so for them that thread says;
-        other devices have threads of their own, where any call of ours running counts."""
-        if getattr(self._here, "count", 0):
-            return True
-        return grad.device.type != "cpu" and self.count > 0
+        """Whether a recv function getting ``grad`` may run in one of our calls."""
+        return self.count > 0 or grad.device.type != "cpu"
 
 
 engine_calls = _EngineCalls()

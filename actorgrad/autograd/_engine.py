@@ -100,7 +100,12 @@ _torch_run_backward = torch.autograd.Variable._execution_engine.run_backward
 
 def _run_backward(*call: Any) -> Any:
     """torch's engine, counted (the recv functions it runs check that it is ours)."""
-    return engine_calls.run(_torch_run_backward, *call)
+    calls = engine_calls
+    calls.count += 1
+    try:
+        return _torch_run_backward(*call)
+    finally:
+        calls.count -= 1
 
 
 T = TypeVar("T")
