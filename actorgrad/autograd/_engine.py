@@ -158,7 +158,6 @@ class GraphTask:
     relay_table: dict[tuple[int, int], Relay] = field(default_factory=dict)  # all known, in order
     relays_told: dict[int, int] = field(default_factory=dict)  # peer -> table entries sent to it
     declared: bool = False  # our own relays are in the table
-    started_here: bool = False  # this worker called backward(); the others take part
 
 
 @dataclass(slots=True, frozen=True)
@@ -534,7 +533,8 @@ class EngineActor:
         assert task.plan is not None
         plan = task.plan
         feeds = plan.feeds[key]
-        if after_backward and not task.started_here and feeds.leaves:
+        if after_backward and feeds.leaves and task.backward_id >> ID_BITS != self.worker.rank:
+            # (backward ids carry the rank of the worker that called backward())
             for hook in after_backward:
                 hook.reached_elsewhere(self.worker, ctx, feeds.leaves)
         it = iter(results)
@@ -894,11 +894,6 @@ class AfterBackward(Protocol):
 after_backward: list[AfterBackward] = []
 
 
-def _failed_after(worker: Worker, ctx: DistContext) -> None:
-    for hook in after_backward:
-        hook.failed(worker, ctx)
-
-
 async def backward(
     context_id: int,
     roots: Sequence[torch.Tensor],
@@ -958,12 +953,25 @@ async def backward(
             "pass retain_graph=True to the earlier call to backpropagate again"
         )
     engine = engine_actor(worker)
-    task = GraphTask(contexts.new_id(), mode, retain_graph, started_here=True)
+    task = GraphTask(contexts.new_id(), mode, retain_graph)
     ctx.graph_tasks[task.backward_id] = task
+    try:
+        await _pass(worker, engine, ctx, task, roots)
+    except BaseException:
+        for hook in after_backward:
+            hook.failed(worker, ctx)
+        raise
+    for hook in after_backward:
+        await hook.done(worker, ctx)
+
+
+async def _pass(worker: Worker, engine: EngineActor, ctx: DistContext, task: GraphTask,
+                roots: list[torch.Tensor]) -> None:
+    """The pass of :func:`backward` from ``roots``, everywhere; raises what failed."""
     running = False
     try:
         with _ReleasedGuard(engine, ctx):
-            if mode == "smart":
+            if task.mode == "smart":
                 await engine.discover(ctx, task, roots)
             await engine.plan(ctx, task, roots)
             running = True
@@ -971,29 +979,24 @@ async def backward(
     except BaseException as error:
         if running:  # some gradients may have been added already
             ctx.failed_backward = type(error).__name__
-        _failed_after(worker, ctx)
         raise
     finally:
         ctx.graph_tasks.pop(task.backward_id, None)
     if ctx.released:  # its entries went mid-pass: what was planned from them is partial
-        _failed_after(worker, ctx)
         raise engine._released(ctx)
-    if not retain_graph:
+    if not task.retain_graph:
         ctx.graph_freed = True
-    if mode == "fast":
+    if task.mode == "fast":
         unused = sorted(report.pairs - report.fired)
         if unused:
             ctx.failed_backward = "FAST mode, unused RPC"
-            _failed_after(worker, ctx)
             first = unused[0]
             described = await _describe_pair(worker, ctx, first)
             raise ContextError(
-                f"FAST mode backward in context {context_id}: {len(unused)} RPC send/recv "
+                f"FAST mode backward in context {ctx.context_id}: {len(unused)} RPC send/recv "
                 f"pair(s) received no gradient, first autograd message {first} "
                 f"({described}). FAST mode assumes every RPC's output takes part "
                 "in the loss (PyTorch would wait forever here); run the forward again "
                 "in a new context and call backward(..., mode=\"smart\") (or set "
                 "RpcOptions(autograd_mode=\"smart\")) to skip unused RPCs."
             )
-    for hook in after_backward:
-        await hook.done(worker, ctx)

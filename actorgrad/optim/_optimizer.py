@@ -217,16 +217,16 @@ class DistributedOptimizer:
         self._worker = worker  # from here on, __del__ drops what was created
         self._id = (worker.rank, next(_ids))
         self._owners = sorted(by_owner)
-        self._created: list[asyncio.Future[Payload]] = []
-        self._creation: asyncio.Future[list[Payload]] | None = None  # all of them, once awaited
+        created = []
         for owner, rrefs in by_owner.items():
             message = CreateOptimizer(optimizer_id=self._id, optimizer_class=optimizer_class,
                                       params=tuple(rrefs), args=args, kwargs=kwargs)
             with pickling_for(owner):  # the RRefs go to their owner
                 payload = message.dump()
-            fut = worker.call(owner, CreateOptimizer.TARGET, payload)
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._created.append(fut)
+            created.append(worker.call(owner, CreateOptimizer.TARGET, payload))
+        # every owner's optimizer, awaited by the steps until it succeeded
+        self._creation: asyncio.Future[list[Payload]] | None = asyncio.gather(*created)
+        self._creation.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` on every owner, in parallel.
@@ -240,13 +240,11 @@ class DistributedOptimizer:
             ContextError: ``context_id`` is not a live context of this worker.
         """
         _context.context_actor(self._worker).get(context_id)
-        if self._created:
-            if self._creation is None:
-                self._creation = asyncio.gather(*self._created)
+        if self._creation is not None:
             # shielded: a step given up here (a timeout) must not cancel the creation
             # of the owners' optimizers, which every later step needs
             await asyncio.shield(self._creation)
-            self._created = []
+            self._creation = None
         message = OptStep(optimizer_id=self._id, context_id=context_id).dump()
         steps = asyncio.gather(
             *(self._worker.call(o, OptStep.TARGET, message) for o in self._owners), return_exceptions=True

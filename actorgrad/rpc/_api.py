@@ -390,18 +390,22 @@ def rpc_sync(
 ) -> T:
     """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
     calling another worker) and in Jupyter's running loop."""
-    worker = get_worker()
-    return run_sync(worker, in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)),
-                    answer_within(worker, timeout))
+    return blocking_call(get_worker(), lambda: rpc_async(to, func, args, kwargs, timeout), timeout)
 
 
-def answer_within(worker: Worker, timeout: float | None) -> float | None:
+def blocking_call(worker: Worker, start: Callable[[], Any], timeout: float | None) -> Any:
+    """Run the call that ``start()`` makes (it returns its future) on the worker's loop,
+    as this thread would make it, and block for its value (see ``run_sync``)."""
+    return run_sync(worker, _in_callers_grad_mode(start), _answer_within(worker, timeout))
+
+
+def _answer_within(worker: Worker, timeout: float | None) -> float | None:
     """The time limit of a call made with ``timeout`` (None: no limit)."""
     limit = worker.options.rpc_timeout if timeout is None else timeout
     return limit if isinstance(limit, (int, float)) and limit > 0 else None
 
 
-def in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
+def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
     """``start`` as it would run in this thread: run_sync runs it on the loop thread,
     and grad mode (kept per thread by torch) decides whether the call is recorded in
     the autograd context, so a remote function's ``torch.no_grad()`` block counts."""
@@ -434,9 +438,8 @@ def remote(
     args, kwargs = call_arguments("remote", args, kwargs, timeout)
     worker = get_worker()
     if not on_loop(worker):
-        return run_sync(worker, in_callers_grad_mode(
-            lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout))),
-            answer_within(worker, timeout))
+        return blocking_call(
+            worker, lambda: _as_future(worker, create_remote(worker, to, func, args, kwargs, timeout)), timeout)
     return create_remote(worker, to, func, args, kwargs, timeout)
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .._errors import RemoteError, RpcTimeout, WorkerLost
-from ..runtime import PeerRef, Worker, WorkerInfo, await_threadsafe, get_worker, run_sync
+from ..runtime import PeerRef, Worker, WorkerInfo, await_threadsafe, get_worker
 from ..runtime._calls import check_timeout
 from ..runtime._worker import describe_error
 from ..wire import Payload
@@ -336,9 +336,7 @@ class RRef(Generic[T]):
         """Blocking :meth:`to_here` (torch's ``rref.to_here()``), for plain code: a
         remote function on the worker's thread pool, a script, a thread, Jupyter (see
         :func:`actorgrad.rpc_sync`)."""
-        worker = self._live_worker()
-        start = _api.in_callers_grad_mode(lambda: asyncio.ensure_future(self.to_here(timeout)))
-        return run_sync(worker, start, _api.answer_within(worker, timeout))
+        return _api.blocking_call(self._live_worker(), lambda: asyncio.ensure_future(self.to_here(timeout)), timeout)
 
     async def _owner_value(self, value: asyncio.Future[Any], timeout: float | None) -> T:
         """``to_here`` on the owner: fails as a fetch from any other worker would."""
