@@ -104,7 +104,8 @@ class Work:
             await asyncio.shield(self._future)
         else:
             check_timeout(timeout, meaning="")
-            await asyncio.wait_for(asyncio.shield(self._future), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._future)
         return True
 
     def is_completed(self) -> bool:

@@ -53,7 +53,8 @@ class StoreServer:
             for writer in list(self._clients):
                 writer.close()  # their handlers see EOF and end, instead of being cancelled
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._clients.add(writer)

@@ -364,7 +364,8 @@ class Worker:
     async def _until(self, deadline: float, aw: Awaitable[Any], what: str,
                      missing: Callable[[], list[int]] | None = None) -> Any:
         try:
-            return await asyncio.wait_for(aw, max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await aw
         except TimeoutError:
             raise self._rendezvous_timeout(what, missing() if missing is not None else []) from None
 
@@ -966,7 +967,8 @@ class Worker:
         trace_path = os.environ.get("ACTORGRAD_TRACE")
         if graceful and trace_path and self.rank == 0:
             try:  # the others wait for our "done", so they can still be asked for events
-                await asyncio.wait_for(self.export_trace(trace_path), max(1.0, min(timeout or 60.0, quiet) / 2))
+                async with asyncio.timeout(max(1.0, min(timeout or 60.0, quiet) / 2)):
+                    await self.export_trace(trace_path)
             except Exception as exc:
                 log.warning("%s: could not write the trace to %s: %s", self.name, trace_path, exc)
         if graceful:
@@ -1005,8 +1007,11 @@ class Worker:
                 return
             self._done_changed.clear()
             wake = min(deadline, heard + quiet, now + self.options.heartbeat_interval)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the wake-up
+            # when a cancellation comes in the same step, and this loop would go on
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._done_changed.wait(), _wait_s(wake))
+                async with asyncio.timeout(_wait_s(wake)):
+                    await self._done_changed.wait()
 
     def _still_serving(self) -> bool:
         """Whether calls of peers are still being served here, or functions of calls

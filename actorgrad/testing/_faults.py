@@ -78,7 +78,8 @@ async def _kill_while(group: LocalGroup, work: Awaitable[Any]) -> tuple[str, flo
     group.kill(1)
     killed = time.monotonic()
     try:
-        await asyncio.wait_for(task, 20)
+        async with asyncio.timeout(20):
+            await task
     except ActorgradError as exc:  # recorded; only SURVIVOR_ERRORS count as ok
         return type(exc).__name__, time.monotonic() - killed
     except TimeoutError:

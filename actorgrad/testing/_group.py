@@ -50,7 +50,8 @@ async def follow_leader(worker: Worker, leader_alive: Callable[[], bool] = lambd
     while 0 in worker.peers and 0 not in worker._done_from and not worker.shutting_down:
         worker._done_changed.clear()
         try:
-            await asyncio.wait_for(worker._done_changed.wait(), 1.0)
+            async with asyncio.timeout(1.0):  # (not wait_for: see Worker._wait_done)
+                await worker._done_changed.wait()
         except TimeoutError:
             if not leader_alive():
                 break

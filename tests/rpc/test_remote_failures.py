@@ -177,7 +177,7 @@ async def test_keyboard_interrupt_on_the_loop_is_answered_then_stops_the_worker(
     deadline = time.monotonic() + _FAST
     while group.processes[0].poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - a child
         await asyncio.sleep(0.05)
-    assert group.processes[0].poll() is not None
+    assert group.processes[0].poll() is not None, group.logs(1)
     group.killed.add(1)  # its end was the point: no failure log to keep
     with pytest.raises(ag.WorkerLost):
         await ag.rpc_async("worker1", max, args=(3, 4), timeout=_LIMIT)

@@ -1118,6 +1118,53 @@ async def test_a_group_shuts_down_after_a_shutdown_that_was_cancelled(make_group
     await asyncio.gather(call, return_exceptions=True)
 
 
+async def test_a_shutdown_cancelled_as_a_peer_is_heard_from_is_cancelled(make_group):
+    """The wait for the peers' done is cancelled at the moment a message of a peer wakes
+    it: the cancellation must win (Python 3.11's wait_for returned the wake-up instead,
+    and the shutdown went on waiting for a peer that was not shutting down)."""
+    group = await make_group(2)
+    group.followers[0].cancel()  # worker1 will not follow worker0 out
+    await asyncio.gather(group.followers[0], return_exceptions=True)
+    worker0 = group.workers[0]
+    shutting_down = asyncio.ensure_future(ag.shutdown())
+    await asyncio.sleep(0.3)  # waiting for worker1's done
+    assert not shutting_down.done()
+    worker0._done_changed.set()  # a peer's message, in the same step as the cancel
+    shutting_down.cancel()
+    await asyncio.wait({shutting_down}, timeout=3)
+    try:
+        assert shutting_down.cancelled()
+    finally:
+        shutting_down.cancel()
+        await asyncio.gather(shutting_down, return_exceptions=True)
+        await group.shutdown(graceful=False)
+
+
+async def test_a_follower_cancelled_as_worker0_is_heard_from_is_cancelled() -> None:
+    """The same race in follow_leader: a worker process whose loop was being torn down
+    (a Ctrl-C in a function it served) went on serving until worker0 left."""
+    from actorgrad.testing._group import follow_leader
+
+    class Follower:  # what follow_leader reads of a worker that worker0 has not left
+        peers = {0: object()}
+        _done_from: set[int] = set()
+        shutting_down = closed = False
+        _done_changed = asyncio.Event()
+
+    follower = Follower()
+    follower._done_changed = asyncio.Event()
+    following = asyncio.ensure_future(follow_leader(follower))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    follower._done_changed.set()
+    following.cancel()
+    await asyncio.wait({following}, timeout=3)
+    try:
+        assert following.cancelled()
+    finally:
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+
+
 async def test_a_bad_shutdown_timeout_is_refused_before_anything_stops(group2):
     with pytest.raises(ValueError, match="shutdown timeout"):
         await ag.shutdown(timeout="5")  # type: ignore[arg-type]
