@@ -30,6 +30,10 @@ from typing import Any, TypeVar
 from .._api import init_rpc
 from .._ports import pick_rendezvous_port
 from ..runtime import RpcOptions, Worker, _current
+from . import _forkserver
+
+#: a worker process of local_group: forked by the fork server, or started anew
+WorkerProcess = subprocess.Popen[bytes] | _forkserver.ForkedProcess
 
 T = TypeVar("T")
 # how long a worker that worker0 declared lost (stopped, cut off) gets to exit at
@@ -132,7 +136,7 @@ async def start_in_process(world_size: int = 2, options: RpcOptions | None = Non
 class LocalGroup:
     """This process as ``worker0`` plus ``n - 1`` worker processes on this machine."""
 
-    def __init__(self, processes: list[subprocess.Popen[bytes]], logdir: str) -> None:
+    def __init__(self, processes: list[WorkerProcess], logdir: str) -> None:
         self.processes = processes
         self.logdir = logdir
         self.killed: set[int] = set()  # ranks ended on purpose by kill()
@@ -227,15 +231,24 @@ async def local_group(
     if options is not None:
         child_env[CHILD_OPTIONS_ENV] = _encode_options(options)
     logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
-    processes = []
-    for rank in range(1, world_size):
-        log = open(os.path.join(logdir, f"worker{rank}.log"), "wb")  # noqa: SIM115, ASYNC230
-        processes.append(subprocess.Popen(  # noqa: ASYNC220 - starting, not waiting
-            [sys.executable, "-m", "actorgrad.testing._serve", str(rank), str(world_size),
-             f"tcp://127.0.0.1:{port}", str(os.getpid())],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-        ))
-        log.close()
+    args = {rank: [str(rank), str(world_size), f"tcp://127.0.0.1:{port}", str(os.getpid())]
+            for rank in range(1, world_size)}
+    if _forkserver.supported():
+        timeout = (options or RpcOptions()).init_timeout
+        try:
+            processes = await _fork_workers(args, child_env, logdir, timeout)
+        except BaseException:
+            shutil.rmtree(logdir, ignore_errors=True)
+            raise
+    else:
+        processes = []
+        for rank, rank_args in args.items():
+            log = open(os.path.join(logdir, f"worker{rank}.log"), "wb")  # noqa: SIM115, ASYNC230
+            processes.append(subprocess.Popen(  # noqa: ASYNC220 - starting, not waiting
+                [sys.executable, "-m", "actorgrad.testing._serve", *rank_args],
+                stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+            ))
+            log.close()
     group = LocalGroup(processes, logdir)
     # init_rpc runs in this task (it sets this context's worker); a watcher cancels it
     # when a worker process exits before the group formed, instead of letting it wait
@@ -268,6 +281,38 @@ async def local_group(
     _current.set_default(group.worker)
     _unfinished.add(group)
     return group
+
+
+async def _fork_workers(args: dict[int, list[str]], env: dict[str, str], logdir: str,
+                        timeout: float) -> list[WorkerProcess]:
+    """Have the fork server start a worker for each rank (see ``_forkserver``)."""
+    server = _forkserver.server_for(env)
+    requests = [server.request(rank_args, env, os.path.join(logdir, f"worker{rank}.log"))
+                for rank, rank_args in args.items()]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            with server.changed:
+                started = [server.started.get(ident) for ident in requests]
+                ended = server.ended
+            if all(pid is not None for pid in started):
+                break
+            if ended:
+                raise RuntimeError(f"local_group: {server.failure()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"local_group: the fork server started no workers within {timeout} s; "
+                                   f"{server.log_tail()}")
+            await asyncio.sleep(0.01)
+    finally:
+        forked = [pid for pid in (server.started.get(ident) for ident in requests) if isinstance(pid, int)]
+        if len(forked) < len(requests):  # given up or failed: end the ones forked
+            for pid in forked:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+    failures = [why for why in started if isinstance(why, str)]
+    if failures:
+        raise RuntimeError(f"local_group: the fork server could not fork a worker: {failures[0]}")
+    return [_forkserver.ForkedProcess(server, pid) for pid in started]  # type: ignore[arg-type]
 
 
 _unfinished: set[LocalGroup] = set()  # started, not shut down
@@ -311,7 +356,7 @@ def child_setup() -> RpcOptions | None:
     return None if encoded is None else pickle.loads(base64.b64decode(encoded))
 
 
-async def _watch_start(processes: list[subprocess.Popen[bytes]], starter: asyncio.Task[Any] | None,
+async def _watch_start(processes: list[WorkerProcess], starter: asyncio.Task[Any] | None,
                        dead: list[int]) -> None:
     while starter is not None:
         for rank, proc in enumerate(processes, start=1):

@@ -1,6 +1,7 @@
 """Entry point of a worker process started by ``local_group``: serve until worker0 leaves.
 
     python -m actorgrad.testing._serve RANK WORLD_SIZE INIT_METHOD PARENT_PID
+    python -m actorgrad.testing._serve --fork-server   (forks the above: see _forkserver)
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ async def serve(rank: int, world_size: int, init_method: str, parent: int) -> No
 
 
 def main() -> None:
+    forked = sys.argv[1:] == ["--fork-server"]
+    if forked:  # see _forkserver: each child returns here
+        from . import _forkserver
+
+        _forkserver.become(_forkserver.serve_forever())
     rank, world_size, init_method, parent = sys.argv[1:5]
     ag.run(serve(int(rank), int(world_size), init_method, int(parent)))
+    if forked:
+        _forkserver.exit_at_once()
 
 
 if __name__ == "__main__":

@@ -138,28 +138,34 @@ async def test_separate_process(actorgrad_process_group):
     result.assert_outcomes(passed=1)
 
 
-async def test_local_group_reports_a_worker_that_dies_at_start(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    # e.g. a notebook that put actorgrad on sys.path by hand: the worker process cannot
-    # import it. The error must come when the process exits, not after init_timeout,
-    # and show why.
+@pytest.mark.parametrize("forked", [True, False], ids=["fork-server", "new-interpreters"])
+async def test_local_group_reports_a_worker_that_dies_at_start(tmp_path, monkeypatch, forked) -> None:  # type: ignore[no-untyped-def]
+    # e.g. a notebook that put actorgrad on sys.path by hand: the worker process (or the
+    # fork server that would fork it) cannot import it. The error must come when the
+    # process exits, not after init_timeout, and show why.
     import time
 
     import actorgrad as ag
     from actorgrad.testing import local_group
 
+    monkeypatch.setenv("ACTORGRAD_FORK_SERVER", "1" if forked else "0")
     shadow = tmp_path / "actorgrad"
     shadow.mkdir()
     (shadow / "__init__.py").write_text("raise ImportError('this actorgrad cannot be imported')\n")
     monkeypatch.chdir(tmp_path)  # `python -m` puts the working directory first on sys.path
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="worker1's process exited") as info:
+    expected = "the fork server .* exited" if forked else "worker1's process exited"
+    with pytest.raises(RuntimeError, match=expected) as info:
         await local_group(2, options=ag.RpcOptions(init_timeout=60), env={"PYTHONPATH": str(tmp_path)})
     assert time.monotonic() - start < 30
     assert "this actorgrad cannot be imported" in str(info.value)
     # the log it points to is kept for the user; this test has read it
-    logged = re.search(r"\((/\S+)/worker1\.log\)", str(info.value))
-    assert logged is not None and os.path.isdir(logged.group(1))  # noqa: ASYNC240
-    shutil.rmtree(logged.group(1))
+    logged = re.search(r"\((/\S+\.log)\)", str(info.value))
+    assert logged is not None and os.path.isfile(logged.group(1))  # noqa: ASYNC240
+    if forked:
+        os.unlink(logged.group(1))
+    else:
+        shutil.rmtree(os.path.dirname(logged.group(1)))
 
 
 async def test_local_group_keeps_logs_only_of_workers_that_failed_on_their_own() -> None:
@@ -275,12 +281,19 @@ async def test_local_group_started_twice_says_to_shut_the_first_down() -> None:
                     cmdline = f.read()
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == os.getpid() and b"actorgrad.testing._serve" in cmdline:
+            if ppid in parents and int(entry) not in servers and b"actorgrad.testing._serve" in cmdline:
                 found.append(int(entry))
         return found
 
+    def fork_servers() -> set[int]:
+        from actorgrad.testing import _forkserver
+
+        return {server.process.pid for server in [*_forkserver._retired, _forkserver._server] if server}
+
     group = await local_group(2)
     try:
+        servers = fork_servers()  # (workers are forked by a fork server, or ours)
+        parents = {os.getpid(), *servers}
         with pytest.raises(RuntimeError, match="group.shutdown"):
             await local_group(2)
         assert worker_children() == group.pids  # the first group's worker only
@@ -304,15 +317,18 @@ def test_a_program_that_ends_without_shutting_its_group_down_ends_the_workers(tm
         loop = asyncio.new_event_loop()
         group = loop.run_until_complete(ag.local_group(2))
         assert ag.rpc_sync("worker1", max, args=(1, 2)) == 2
-        print(group.logdir, group.processes[0].pid, time.monotonic(), flush=True)
+        from actorgrad.testing import _forkserver
+        server = _forkserver._server.process.pid if _forkserver._server else group.processes[0].pid
+        print(group.logdir, group.processes[0].pid, server, time.monotonic(), flush=True)
     '''))
     root = Path(__file__).parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     ended = time.monotonic()
     assert proc.returncode == 0, proc.stderr
-    logdir, pid, printed = proc.stdout.split()
+    logdir, pid, server, printed = proc.stdout.split()
     assert ended - float(printed) < 2.5, "exit waited for the workers"
     assert not os.path.exists(logdir)  # noqa: ASYNC240
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(pid), 0)
+    for gone in (pid, server):  # the worker, and the fork server that forked it
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(gone), 0)
