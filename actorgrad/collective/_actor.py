@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import pickle
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,10 @@ class CollectiveActor:
         self._early: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
         self._p2p_queue: dict[tuple[int, int], deque[tuple[Any, ...]]] = {}
         self._p2p_wait: dict[tuple[int, int], list[_Recv]] = {}
+        # (group, tag) of receives a message reached, while their future lives: one
+        # cancelled in that moment hands its message on (see withdraw_recv)
+        self._p2p_taken: weakref.WeakKeyDictionary[asyncio.Future[int], tuple[int, int]] = (
+            weakref.WeakKeyDictionary())
         self._p2p_acks: dict[int, tuple[int, asyncio.Future[None], asyncio.TimerHandle | None]] = {}
         self._ack_ids = itertools.count(1)
         self._lost: dict[int, str] = {}
@@ -496,10 +501,12 @@ class CollectiveActor:
             recv.timer = self.loop.call_later(limit, self._recv_expired, recv, limit)
         return future
 
-    def withdraw_recv(self, future: asyncio.Future[int]) -> bool:
-        """Withdraw the posted receive of ``future`` if no message matched it yet (its
-        caller stopped waiting): the next message goes to the next receive. False when
-        there is none (delivered already, or another backend's)."""
+    def withdraw_recv(self, future: asyncio.Future[int], t: torch.Tensor) -> None:
+        """The caller of the receive of ``future`` (into ``t``) stopped waiting: withdraw
+        the receive if no message matched it yet, so that the next message goes to the
+        next receive. If one did (its caller was cancelled in that very step), hand the
+        message, now in ``t``, on to the next receive, as ``asyncio.Queue.get`` hands
+        an item back. (Another backend's receive: nothing to do.)"""
         for waiters in self._p2p_wait.values():
             for recv in waiters:
                 if recv.future is future:
@@ -507,8 +514,14 @@ class CollectiveActor:
                     if recv.timer is not None:
                         recv.timer.cancel()
                     future.cancel()
-                    return True
-        return False
+                    return
+        key = self._p2p_taken.pop(future, None)
+        if key is None or future.cancelled() or future.exception() is not None:
+            return
+        data = t.detach().clone(memory_format=torch.contiguous_format)
+        # (acknowledged already: the sender learnt that this rank took it)
+        self._route(key, (future.result(), tuple(t.shape), str(t.dtype).removeprefix("torch."), data, 0),
+                    first=True)
 
     def _recv_expired(self, recv: _Recv, limit: float) -> None:
         self._drop_waiter(recv)
@@ -532,17 +545,25 @@ class CollectiveActor:
         if self.destroyed(gid):
             self._acknowledge(peer.rank, ack_id, f"group {gid} was destroyed on rank {self.worker.rank}")
             return
-        key = (gid, tag)
+        self._route((gid, tag), message)
+
+    def _route(self, key: tuple[int, int], message: tuple[Any, ...], first: bool = False) -> None:
+        """Deliver ``message`` to the first receive waiting for it, or queue it (at the
+        front: ``first``, a message handed back, which came before those queued)."""
         waiters = self._p2p_wait.get(key)
         if waiters:
             for i, recv in enumerate(waiters):
-                if recv.src is None or recv.src == peer.rank:
+                if recv.src is None or recv.src == message[0]:
                     del waiters[i]
                     if not waiters:
                         del self._p2p_wait[key]
                     self._deliver(recv, *message)
                     return
-        self._p2p_queue.setdefault(key, deque()).append(message)
+        queue = self._p2p_queue.setdefault(key, deque())
+        if first:
+            queue.appendleft(message)
+        else:
+            queue.append(message)
 
     def _deliver(self, recv: _Recv, src: int, shape: tuple[int, ...], dtype: str,
                  data: torch.Tensor | None, ack_id: int) -> None:
@@ -571,6 +592,7 @@ class CollectiveActor:
             return
         if error is None:
             recv.future.set_result(src)
+            self._p2p_taken[recv.future] = (recv.gid, recv.tag)
         else:
             recv.future.set_exception(CollectiveError(f"recv (tag {recv.tag}): {error}"))
 

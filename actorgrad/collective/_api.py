@@ -201,8 +201,9 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
     Returns:
         The global rank of the sender (-1 on a non-member of ``group``).
 
-    Cancelling the call (``asyncio.wait_for``) withdraws the receive if no message
-    reached it yet, on our backend; ``irecv``'s Work keeps its receive posted.
+    Cancelling the call (a timeout) withdraws the receive on our backend: the next
+    message goes to the next receive, also one that reached this receive as it was
+    cancelled (into ``tensor`` then). ``irecv``'s Work keeps its receive posted.
 
     Raises:
         CollectiveError: the message has another shape or dtype, the sender is gone, or
@@ -216,7 +217,7 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
     except asyncio.CancelledError:
         # the caller stopped waiting (a timeout): a receive nobody waits for must not
         # take the next message, which a retry expects (gloo cannot withdraw one)
-        actor().withdraw_recv(work._future)
+        actor().withdraw_recv(work._future, tensor)
         raise
     return work.source_rank()
 

@@ -11,6 +11,7 @@ import torch
 from collective_helpers import run_all, tune
 
 import actorgrad.collective as C
+from actorgrad.collective._actor import actor
 from actorgrad.testing import InProcessGroup
 
 
@@ -164,6 +165,41 @@ async def test_a_recv_given_up_on_takes_no_message(world4: InProcessGroup, backe
         return abandoned.item(), fresh.item()
 
     assert (await run_all(world4, body))[1] == (0.0, 42.0)
+
+
+async def test_a_recv_cancelled_as_its_message_arrives_hands_the_message_on(
+    world4: InProcessGroup, backend: str
+) -> None:
+    """The receive is cancelled (its timeout fires) in the step its message reached it:
+    the message goes to the next receive, as asyncio.Queue.get hands an item back,
+    instead of being lost with the cancelled receive (a retry loop dropped messages)."""
+    if backend == "gloo":
+        pytest.skip("gloo has no way to withdraw a posted receive")
+
+    async def body(rank: int) -> float | None:
+        if rank == 0:
+            await C.send(torch.tensor([42.0]), dst=1)
+        if rank != 1:
+            return None
+        act = actor()
+        first = asyncio.ensure_future(C.recv(torch.zeros(1), src=0))
+        deliver = act._deliver
+
+        def deliver_and_cancel(*args: Any) -> None:
+            deliver(*args)
+            first.cancel()  # what the caller's timeout does when it fires in this step
+
+        act._deliver = deliver_and_cancel  # type: ignore[method-assign]
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        finally:
+            del act._deliver
+        fresh = torch.zeros(1)
+        assert await asyncio.wait_for(C.recv(fresh, src=0), 5) == 0
+        return fresh.item()
+
+    assert (await run_all(world4, body))[1] == 42.0
 
 
 async def test_wait_and_init_timeouts_must_be_numbers(world4: InProcessGroup) -> None:
