@@ -839,12 +839,18 @@ def _add(grads: dict[int, torch.Tensor], index: int, grad: torch.Tensor) -> None
 
 
 async def _all_or_first_error(futures: list[asyncio.Future[Any]]) -> list[Any]:
-    """Wait for all; on the first failure cancel the rest and raise it (never hang)."""
+    """Wait for all; on the first failure cancel the rest and raise it (never hang).
+    Cancelled, cancel them all (as awaiting a single one does, and gather)."""
     if not futures:
         return []
     if len(futures) == 1:  # the common case, without asyncio.wait's waiter and callbacks
         return [await futures[0]]
-    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    try:
+        done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:  # (asyncio.wait leaves what it waited for running)
+        for fut in futures:
+            fut.cancel()
+        raise
     for fut in done:
         if not fut.cancelled() and fut.exception() is not None:
             for other in pending:

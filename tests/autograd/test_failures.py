@@ -11,6 +11,7 @@ import torch
 from _ag_helpers import assert_grads, debug_infos, local_copies, slow_backward_fn, wait_released
 
 import actorgrad as ag
+from actorgrad.runtime import get_worker
 
 
 class FailingBackward(torch.autograd.Function):
@@ -173,6 +174,26 @@ async def test_backward_times_out_with_rpc_timeout(make_group):
             await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
         assert time.monotonic() - started < 5  # raised, not waited out
     await wait_released(["worker0", "worker1"])
+
+
+@pytest.mark.parametrize("peers", [1, 2])
+async def test_a_cancelled_backward_calls_off_what_it_waits_for(make_group, peers):
+    """The caller gives up (a timeout) while the pass waits on one peer or on several:
+    every call of the pass is cancelled with it (with several, they ran on and wrote
+    gradients into the context after backward had raised)."""
+    await make_group(peers + 1)
+    slow_fn = slow_backward_fn(1.0)
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        ys = [await ag.rpc_async(f"worker{r}", slow_fn, args=(x,)) for r in range(1, peers + 1)]
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await ag.autograd.backward(context_id, [sum(y.sum() for y in ys)])
+        await asyncio.sleep(0)  # (the cancellations go out)
+        assert not get_worker()._pending, "calls of the cancelled pass still pending"
+        await asyncio.sleep(1.5)  # the peers' backward nodes ended meanwhile
+        assert ag.autograd.get_gradients(context_id) == {}
+    await wait_released([f"worker{r}" for r in range(peers + 1)])
 
 
 # -- unused RPCs: FAST mode refuses, SMART mode skips -----------------------------------------------
