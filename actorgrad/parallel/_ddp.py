@@ -425,8 +425,9 @@ class DistributedDataParallel(nn.Module):
         # loss reaches are averaged still
         own = [self] if self.require_backward_grad_sync else []
         wrappers = own + self._reached_others(loss)
+        local = functools.partial(_local_backward, loss, gradient, retain_graph)
         if not wrappers:
-            await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
+            await _to_its_end(self._worker.run_blocking(local))
             return
         for wrapper in wrappers:
             wrapper._begin(deferred=wrapper is not self)
@@ -434,7 +435,7 @@ class DistributedDataParallel(nn.Module):
         errors = []
         try:
             try:
-                await self._worker.run_blocking(functools.partial(_local_backward, loss, gradient, retain_graph))
+                await _to_its_end(self._worker.run_blocking(local))
             except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
                 local_error = exc
             for wrapper in wrappers:  # one after the other: the same collectives everywhere
@@ -659,6 +660,17 @@ def _check_devices(module: nn.Module, device_ids: list[Any] | None, output_devic
                 f"device_ids/output_device name {device}, but the module's parameters are on "
                 f"{', '.join(sorted(map(str, devices)))}: move the module to its device first"
             )
+
+
+async def _to_its_end(job: asyncio.Future[Any]) -> Any:
+    """Await a job of the thread pool. A caller that gives up (a timeout) still waits
+    for it, since it cannot be stopped midway: a local backward adds into ``.grad``, and
+    must have ended when the call raises, not run on beside the caller's next step."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait({job})
+        raise
 
 
 def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_graph: bool | None) -> None:

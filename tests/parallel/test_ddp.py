@@ -750,6 +750,35 @@ async def test_a_backward_cancelled_on_one_rank_keeps_the_ranks_in_step(make_gro
         assert_close(g0, g1)
 
 
+class _SlowerBackward(_Identity):
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.8)
+        return grad
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["averaged", "no_sync"])
+async def test_a_cancelled_backward_has_written_its_gradients_when_it_raises(
+    make_group: Any, synced: bool
+) -> None:
+    """Given up while the local backward runs on the pool (which cannot stop it), the
+    call raises once that backward has ended: it used to go on adding into .grad after
+    the call raised, beside the caller's next step."""
+    await make_group(1)
+    torch.manual_seed(0)
+    model = mlp(0)
+    ddp = await DDP.create(model)
+    loss = _SlowerBackward.apply(ddp(X[:4])).square().mean()
+    with contextlib.nullcontext() if synced else ddp.no_sync(), pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await ddp.backward(loss)
+    at_raise = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    await asyncio.sleep(1.0)
+    for then, now in zip(at_raise, model.parameters(), strict=True):
+        assert then is not None, "the call raised before its backward ended"
+        assert_close(now.grad, then)
+
+
 async def test_a_wrapper_dropped_for_a_new_one_goes_with_its_hooks(make_group: Any) -> None:
     """Re-wrapping (after freezing a layer, say) used to keep every old wrapper alive
     through its hooks on the parameters, with its gradient-sized buckets."""
