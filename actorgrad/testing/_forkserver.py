@@ -12,8 +12,10 @@ again, or a test suite with a process group per test, waits for the import once.
 What a worker started by ``subprocess`` would: the environment and working directory
 that ``local_group`` gives it (replaced in full in the child), its own session
 (``killpg`` ends it and what it started), stdin from /dev/null, stdout and stderr into
-its log, a random state of its own (Python reseeds its generator at a fork; the server
-imports no numpy.random, whose global state a fork would copy).
+its log, random states of its own (Python reseeds its generator at a fork, torch's is
+reseeded here; the server imports no numpy.random, whose global state a fork would
+copy). One thing it shares with the server: the seed of str hashes, fixed when an
+interpreter starts (set iteration orders are the same in every forked worker).
 What the server imported at its start was imported under its environment and working
 directory; a group asked for under another environment or directory (an environment
 variable read at import time, another ``PYTHONPATH``) gets a server of its own, and the
@@ -48,9 +50,9 @@ from typing import Any, NoReturn
 DISABLE_ENV = "ACTORGRAD_FORK_SERVER"
 
 
-def supported() -> bool:
-    return (sys.platform.startswith("linux") and hasattr(os, "fork")
-            and os.environ.get(DISABLE_ENV, "1") != "0")
+def supported(env: dict[str, str]) -> bool:
+    """Whether workers started with environment ``env`` come from a fork server."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and env.get(DISABLE_ENV, "1") != "0"
 
 
 # --------------------------------------------------------------------- the server side
@@ -153,12 +155,17 @@ def become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv[1:] = request["argv"]  # (argv[0] is _serve's path already, as when started)
+    import torch
+
+    torch.seed()  # as a new interpreter's import seeds it, at random
 
 
 def exit_at_once() -> NoReturn:
-    """End a forked worker that finished well: run the exit handlers and flush, without
-    the interpreter's teardown (freeing the objects it shares with the server would copy
-    their pages first: a quarter of a second per worker)."""
+    """End a forked worker that finished well as the interpreter would (wait for its
+    threads, run the executors' and the exit handlers, flush) but without its teardown:
+    freeing the objects it shares with the server would copy their pages first, a
+    quarter of a second per worker."""
+    threading._shutdown()  # type: ignore[attr-defined]  # (what Py_Finalize calls first)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -167,6 +174,10 @@ def exit_at_once() -> NoReturn:
 
 
 # --------------------------------------------------------------------- the parent side
+
+
+class ServerGone(Exception):
+    """The server ended before it answered a request."""
 
 
 class ForkedProcess:
@@ -259,7 +270,7 @@ class ForkServer:
                 self.process.stdin.write(line.encode() + b"\n")
                 self.process.stdin.flush()
             except OSError:  # it died (its reader may not have seen it yet)
-                raise RuntimeError(f"local_group: {self.failure()}") from None
+                raise ServerGone from None
         return ident
 
     def failure(self) -> str:
@@ -272,6 +283,8 @@ class ForkServer:
         """The end of the server's log, and a file where the user finds all of it."""
         fd = self.log.fileno()  # (pread: the offset is shared with the server's writes)
         text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        if not text:
+            return "its log is empty"
         fd, path = tempfile.mkstemp(prefix="actorgrad-forkserver-", suffix=".log")
         with os.fdopen(fd, "w") as kept:
             kept.write(text)
@@ -320,7 +333,8 @@ def server_for(env: dict[str, str]) -> ForkServer:
         for ended in [old for old in _retired if old.ended]:
             _retired.remove(ended)
             ended.close(timeout=1.0)
-        if _server is not None and (_server.key != _key(env, cwd) or _server.ended):
+        if _server is not None and (_server.key != _key(env, cwd) or _server.ended
+                                    or _server.process.poll() is not None):  # (died since)
             _server.retire()
             _retired.append(_server)
             _server = None
@@ -331,12 +345,27 @@ def server_for(env: dict[str, str]) -> ForkServer:
 
 def _forget_servers() -> None:
     """In a child forked from this process: the servers are its parent's (their reader
-    threads did not come along); a group started there gets a server of its own."""
+    threads did not come along); a group started there gets a server of its own. The
+    ends of their pipes are closed here: a server sees its parent end by its stdin."""
     global _server, _server_lock
+    for server in [*_retired, *([_server] if _server is not None else [])]:
+        for pipe in (server.process.stdin, server.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    os.close(pipe.fileno())
     _server, _retired[:], _server_lock = None, [], threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_servers)
+
+
+def replace(server: ForkServer) -> None:
+    """``server`` died: the next group gets a new one."""
+    global _server
+    with _server_lock:
+        if _server is server:
+            _retired.append(server)
+            _server = None
 
 
 @atexit.register

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._api import init_rpc
+from .._errors import RendezvousTimeout
 from .._ports import pick_rendezvous_port
 from ..runtime import RpcOptions, Worker, _current
 from . import _forkserver
@@ -233,7 +234,7 @@ async def local_group(
     logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
     args = {rank: [str(rank), str(world_size), f"tcp://127.0.0.1:{port}", str(os.getpid())]
             for rank in range(1, world_size)}
-    if _forkserver.supported():
+    if _forkserver.supported(child_env):
         timeout = (options or RpcOptions()).init_timeout
         try:
             processes = await _fork_workers(args, child_env, logdir, timeout)
@@ -286,22 +287,42 @@ async def local_group(
 async def _fork_workers(args: dict[int, list[str]], env: dict[str, str], logdir: str,
                         timeout: float) -> list[WorkerProcess]:
     """Have the fork server start a worker for each rank (see ``_forkserver``)."""
-    server = _forkserver.server_for(env)
+    deadline = time.monotonic() + timeout
+    while True:
+        server = _forkserver.server_for(env)
+        served_before = bool(server.started)
+        try:
+            started = await _started_by(server, args, env, logdir, deadline, timeout)
+        except _forkserver.ServerGone:
+            if served_before:  # it died since the last group (killed): a new one
+                _forkserver.replace(server)
+                continue
+            raise RuntimeError(f"local_group: {server.failure()}") from None
+        failures = [why for why in started if isinstance(why, str)]
+        if failures:
+            raise RuntimeError(f"local_group: the fork server could not fork a worker: {failures[0]}")
+        return [_forkserver.ForkedProcess(server, pid) for pid in started]  # type: ignore[arg-type]
+
+
+async def _started_by(server: _forkserver.ForkServer, args: dict[int, list[str]], env: dict[str, str],
+                      logdir: str, deadline: float, timeout: float) -> list[int | str]:
+    """Ask ``server`` for the workers; their pids (or why one could not be forked).
+    Raises ServerGone when it ended before it answered them all."""
     requests = [server.request(rank_args, env, os.path.join(logdir, f"worker{rank}.log"))
                 for rank, rank_args in args.items()]
-    deadline = time.monotonic() + timeout
     try:
         while True:
             with server.changed:
                 started = [server.started.get(ident) for ident in requests]
                 ended = server.ended
             if all(pid is not None for pid in started):
-                break
+                return started  # type: ignore[return-value]
             if ended:
-                raise RuntimeError(f"local_group: {server.failure()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"local_group: the fork server started no workers within {timeout} s; "
-                                   f"{server.log_tail()}")
+                raise _forkserver.ServerGone
+            if time.monotonic() > deadline:  # (what init_rpc raises for workers slow to start)
+                raise RendezvousTimeout(
+                    f"local_group: no worker started within init_timeout ({timeout}s): the fork "
+                    f"server that forks them was still starting; {server.log_tail()}")
             await asyncio.sleep(0.01)
     finally:
         forked = [pid for pid in (server.started.get(ident) for ident in requests) if isinstance(pid, int)]
@@ -309,10 +330,6 @@ async def _fork_workers(args: dict[int, list[str]], env: dict[str, str], logdir:
             for pid in forked:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
-    failures = [why for why in started if isinstance(why, str)]
-    if failures:
-        raise RuntimeError(f"local_group: the fork server could not fork a worker: {failures[0]}")
-    return [_forkserver.ForkedProcess(server, pid) for pid in started]  # type: ignore[arg-type]
 
 
 _unfinished: set[LocalGroup] = set()  # started, not shut down
