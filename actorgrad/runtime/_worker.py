@@ -392,9 +392,11 @@ class Worker:
         while True:
             # (the store answers within POLL_S: a wait begun just before the deadline
             # may end just after it, with who is there)
-            items = await self._until(deadline + 2 * POLL_S,
-                                      self._store.wait_prefix(prefix, self.world_size),  # type: ignore[union-attr]
-                                      what, missing)
+            # (merged: entries are never taken back while a group forms, but a worker
+            # that gave up removes a rendezvous file, and its last read finds nobody)
+            items = {**items, **await self._until(
+                deadline + 2 * POLL_S, self._store.wait_prefix(prefix, self.world_size),  # type: ignore[union-attr]
+                what, missing)}
             if prefix == "worker/":
                 self._check_roster(items)
             if len(items) >= self.world_size:
