@@ -516,7 +516,7 @@ class CollectiveActor:
                     future.cancel()
                     return
         key = self._p2p_taken.pop(future, None)
-        if key is None or future.cancelled() or future.exception() is not None:
+        if key is None or future.cancelled() or future.exception() is not None or self.destroyed(key[0]):
             return
         data = t.detach().clone(memory_format=torch.contiguous_format)
         # (acknowledged already: the sender learnt that this rank took it)

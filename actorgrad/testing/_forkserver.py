@@ -24,7 +24,9 @@ old one ends once its workers have.
 # Protocol (text lines; the server's stdin and stdout)
 request  ``{"id": N, "argv": [...] (after the program's name), "env": {...}, "cwd": "...", "log": "..."}``
 replies  ``started N PID``, ``failed N MESSAGE``,
-         ``exited PID RETURNCODE`` (as ``Popen.returncode``: -signal for a signal).
+         ``exited N RETURNCODE`` (as ``Popen.returncode``: -signal for a signal).
+(Exits are told by request, not by pid: pids wrap around, and a later worker may get
+the pid of one that ended.)
 The server reaps its children and reports each exit; at the end of its stdin (its
 parent closed it or died) it takes no more requests and exits when its children have.
 """
@@ -75,7 +77,7 @@ def serve_forever() -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a parent gone: nobody to tell
             os.write(1, (line + "\n").encode())
 
-    children: set[int] = set()
+    children: dict[int, int] = {}  # pid -> request id
     pending = b""
     open_stdin = True
     while open_stdin or children:
@@ -87,8 +89,9 @@ def serve_forever() -> dict[str, Any]:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                children.discard(pid)
-                say(f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+                ident = children.pop(pid, None)
+                if ident is not None:
+                    say(f"exited {ident} {os.waitstatus_to_exitcode(status)}")
         if 0 in readable:
             data = os.read(0, 65536)
             if not data:
@@ -110,7 +113,7 @@ def serve_forever() -> dict[str, Any]:
                     os.close(wake_r)
                     os.close(wake_w)
                     return request
-                children.add(pid)
+                children[pid] = request["id"]
                 say(f"started {request['id']} {pid}")
     raise SystemExit(0)
 
@@ -184,13 +187,14 @@ class ForkedProcess:
     """A worker forked by the server: the part of ``subprocess.Popen`` that
     ``LocalGroup`` uses (the server reaps it and reports its exit status)."""
 
-    def __init__(self, server: ForkServer, pid: int) -> None:
+    def __init__(self, server: ForkServer, ident: int, pid: int) -> None:
         self._server = server
+        self._ident = ident  # the request it was forked for
         self.pid = pid
 
     @property
     def returncode(self) -> int | None:
-        return self._server.exit_status(self.pid)
+        return self._server.exit_status(self._ident, self.pid)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -222,7 +226,7 @@ class ForkServer:
         self.changed = threading.Condition()
         self.ended = False  # its stdout closed: it exited (or died)
         self.started: dict[int, int | str] = {}  # request id -> pid, or why it failed
-        self.exits: dict[int, int] = {}  # pid -> return code
+        self.exits: dict[int, int] = {}  # request id -> return code
         self._next_id = 0
         self._write = threading.Lock()
         threading.Thread(target=self._read, name="actorgrad-forkserver-reader", daemon=True).start()
@@ -239,22 +243,23 @@ class ForkServer:
                     ident, _, why = rest.partition(" ")
                     self.started[int(ident)] = why
                 elif word == "exited":
-                    pid, code = rest.split()
-                    self.exits[int(pid)] = int(code)
+                    ident, code = rest.split()
+                    self.exits[int(ident)] = int(code)
                 self.changed.notify_all()
         with self.changed:
             self.ended = True
             self.changed.notify_all()
 
-    def exit_status(self, pid: int) -> int | None:
+    def exit_status(self, ident: int, pid: int) -> int | None:
+        """The return code of the worker forked for request ``ident`` (None: running)."""
         with self.changed:
-            code = self.exits.get(pid)
+            code = self.exits.get(ident)
             if code is None and self.ended:
                 # the server died before it saw this worker end: ask the kernel
                 try:
                     os.kill(pid, 0)
                 except ProcessLookupError:
-                    code = self.exits[pid] = -signal.SIGKILL  # gone; its status was the server's
+                    code = self.exits[ident] = -signal.SIGKILL  # gone; its status was the server's
                 except PermissionError:
                     pass
             return code

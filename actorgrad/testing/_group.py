@@ -298,16 +298,16 @@ async def _fork_workers(args: dict[int, list[str]], env: dict[str, str], logdir:
                 _forkserver.replace(server)
                 continue
             raise RuntimeError(f"local_group: {server.failure()}") from None
-        failures = [why for why in started if isinstance(why, str)]
+        failures = [why for _, why in started if isinstance(why, str)]
         if failures:
             raise RuntimeError(f"local_group: the fork server could not fork a worker: {failures[0]}")
-        return [_forkserver.ForkedProcess(server, pid) for pid in started]  # type: ignore[arg-type]
+        return [_forkserver.ForkedProcess(server, ident, pid) for ident, pid in started]  # type: ignore[arg-type]
 
 
 async def _started_by(server: _forkserver.ForkServer, args: dict[int, list[str]], env: dict[str, str],
-                      logdir: str, deadline: float, timeout: float) -> list[int | str]:
-    """Ask ``server`` for the workers; their pids (or why one could not be forked).
-    Raises ServerGone when it ended before it answered them all."""
+                      logdir: str, deadline: float, timeout: float) -> list[tuple[int, int | str]]:
+    """Ask ``server`` for the workers; per worker, the request and the pid (or why it
+    could not be forked). Raises ServerGone when it ended before it answered them all."""
     requests = [server.request(rank_args, env, os.path.join(logdir, f"worker{rank}.log"))
                 for rank, rank_args in args.items()]
     try:
@@ -316,7 +316,7 @@ async def _started_by(server: _forkserver.ForkServer, args: dict[int, list[str]]
                 started = [server.started.get(ident) for ident in requests]
                 ended = server.ended
             if all(pid is not None for pid in started):
-                return started  # type: ignore[return-value]
+                return list(zip(requests, started, strict=True))  # type: ignore[arg-type]
             if ended:
                 raise _forkserver.ServerGone
             if time.monotonic() > deadline:  # (what init_rpc raises for workers slow to start)

@@ -66,6 +66,28 @@ async def test_the_next_group_comes_from_the_same_server_and_exits_are_reported(
     assert first.processes[0].returncode == 0
 
 
+async def test_a_worker_with_the_pid_of_an_earlier_one_is_not_taken_for_it() -> None:
+    """Pids wrap around (at 32768 here): a new worker may get the pid of one that
+    exited, whose exit status must not be taken for the new worker's."""
+    first = await local_group(2)
+    pid = first.pids[0]
+    await first.shutdown()
+    try:
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # noqa: ASYNC230 - the next pid: this one
+            f.write(str(pid - 1))
+    except OSError:
+        pytest.skip("cannot choose the next pid here (needs root)")
+    second = await local_group(2)
+    try:
+        if second.pids[0] != pid:
+            pytest.skip("another process took the pid first")
+        assert second.processes[0].returncode is None
+        assert await ag.rpc_async("worker1", os.getpid) == pid
+    finally:
+        await second.shutdown()
+    assert first.processes[0].returncode == second.processes[0].returncode == 0
+
+
 async def test_a_server_killed_between_groups_is_replaced() -> None:
     await (await local_group(2)).shutdown()
     old = _forkserver._server
