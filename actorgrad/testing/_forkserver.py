@@ -215,6 +215,7 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str], cwd: str) -> None:
         self.key = _key(env, cwd)
+        env = {k: v for k, v in env.items() if k not in _PER_GROUP}  # (each request brings its own)
         # its stderr: a file without a name, so that nothing is left behind however the
         # program ends; written out where the user can read it when the server fails
         self.log = tempfile.TemporaryFile()  # noqa: SIM115
@@ -340,12 +341,30 @@ def server_for(env: dict[str, str]) -> ForkServer:
             ended.close(timeout=1.0)
         if _server is not None and (_server.key != _key(env, cwd) or _server.ended
                                     or _server.process.poll() is not None):  # (died since)
-            _server.retire()
-            _retired.append(_server)
-            _server = None
+            _retire(_server)
         if _server is None:
-            _server = ForkServer({k: v for k, v in env.items() if k not in _PER_GROUP}, cwd)
+            _server = ForkServer(env, cwd)
         return _server
+
+
+def replace(server: ForkServer) -> None:
+    """``server`` died (before its reader or ``server_for`` could see it): the next
+    group gets a new one."""
+    with _server_lock:
+        _retire(server)
+
+
+def _retire(server: ForkServer) -> None:
+    """(Under the lock) ``server``, if it is the one taking requests, takes no more."""
+    global _server
+    if _server is server:
+        server.retire()
+        _retired.append(server)
+        _server = None
+
+
+def _every_server() -> list[ForkServer]:
+    return [*_retired, *([_server] if _server is not None else [])]
 
 
 def _forget_servers() -> None:
@@ -353,7 +372,7 @@ def _forget_servers() -> None:
     threads did not come along); a group started there gets a server of its own. The
     ends of their pipes are closed here: a server sees its parent end by its stdin."""
     global _server, _server_lock
-    for server in [*_retired, *([_server] if _server is not None else [])]:
+    for server in _every_server():
         for pipe in (server.process.stdin, server.process.stdout):
             if pipe is not None:
                 with contextlib.suppress(OSError):
@@ -364,18 +383,9 @@ def _forget_servers() -> None:
 os.register_at_fork(after_in_child=_forget_servers)
 
 
-def replace(server: ForkServer) -> None:
-    """``server`` died: the next group gets a new one."""
-    global _server
-    with _server_lock:
-        if _server is server:
-            _retired.append(server)
-            _server = None
-
-
 @atexit.register
 def _close_servers() -> None:
     """At exit (after local_group's own handler ended the groups left): the servers end
     once their workers have."""
-    for server in [*_retired, *([_server] if _server is not None else [])]:
+    for server in _every_server():
         server.close(timeout=5.0)
