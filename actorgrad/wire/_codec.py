@@ -14,11 +14,20 @@ Every ``torch.Tensor`` (or ``nn.Parameter``) inside a payload is pickled as a ca
 for objects that are not plain data, where a persistent-id hook would be called for
 every int and string of the payload). The descriptor is one ``bytes`` object::
 
-    flags (1 byte: 1 requires_grad, 2 nn.Parameter, 4 out of band)
+    flags (1 byte: 1 requires_grad, 2 nn.Parameter, 4 out of band, 8 strided)
     dtype code (1 byte, the index of its name in _DTYPE_ORDER)
     ndim (1 byte), then ndim sizes (little-endian int64)
+    strided only: ndim strides (little-endian int64)
     then either a buffer index (little-endian uint32; out of band) or the tensor's
-    C-order bytes themselves (in band: the rest of the descriptor)
+    bytes themselves (in band: the rest of the descriptor)
+
+The bytes are the tensor's C-order bytes, except for a *strided* tensor: one whose
+elements cover no more memory than they number (a transposed or channels_last tensor,
+an ``expand``), which travels as that memory and its strides, as torch's own RPC sends
+a storage: an expanded tensor stays as small as its storage and keeps stride 0, a
+permuted one keeps its memory format, and the sender copies nothing. A view with
+gaps (a column of a matrix) is compacted to its C-order bytes instead, so no byte
+travels that the tensor does not show.
 
 Out of band: the index of a buffer of the frame. The tensor's bytes are written
 straight from its memory and received straight into a freshly allocated tensor; no
@@ -66,7 +75,7 @@ _DTYPES: dict[str, torch.dtype] = {
 _GRAD_DTYPES = frozenset(d for d in _DTYPES.values() if d.is_floating_point or d.is_complex)
 _DTYPE_CODES: dict[torch.dtype, int] = {_DTYPES[n]: i for i, n in enumerate(_DTYPE_ORDER) if n in _DTYPES}
 _CODE_NAMES: tuple[str | None, ...] = tuple(n if n in _DTYPES else None for n in _DTYPE_ORDER)
-_REQUIRES_GRAD, _PARAMETER, _OUT_OF_BAND = 1, 2, 4
+_REQUIRES_GRAD, _PARAMETER, _OUT_OF_BAND, _STRIDED = 1, 2, 4, 8
 _MAX_DIMS = 64  # torch's own limit
 _HEAD = struct.Struct("<BBB")
 _SIZES = [struct.Struct(f"<{n}q") for n in range(_MAX_DIMS + 1)]
@@ -97,6 +106,22 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return _EMPTY
     # numpy keeps a reference to the tensor, so the memory outlives the send.
     return data.reshape(-1).view(_uint8).numpy().data
+
+
+def _memory_span(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The memory a non-contiguous CPU tensor's elements cover, as a 1-D tensor, when
+    it holds no more elements than the tensor (see the module docstring); else None."""
+    if not tensor.is_cpu or tensor.is_conj() or tensor.is_neg():
+        return None
+    numel = tensor.numel()
+    if numel == 0:
+        return None
+    span = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        span += (size - 1) * stride
+    if span > numel:
+        return None
+    return tensor.detach().as_strided((span,), (1,))
 
 
 def _inband_bytes(tensor: torch.Tensor) -> bytes:
@@ -153,14 +178,23 @@ class _Pickler(cloudpickle.Pickler):
             return None  # torch's own (in-band) pickling handles the exotic ones
         self.tensors.append(obj)
         shape = obj.shape
+        ndim = len(shape)
         flags = (_REQUIRES_GRAD if obj.requires_grad else 0) | (_PARAMETER if type(obj) is _Parameter else 0)
-        if obj.nbytes <= INBAND_MAX_BYTES:
-            tail = _inband_bytes(obj)
+        head = _SIZES[ndim].pack(*shape)
+        data = obj
+        if not obj.is_contiguous():
+            span = _memory_span(obj)
+            if span is not None:
+                flags |= _STRIDED
+                head += _SIZES[ndim].pack(*obj.stride())
+                data = span
+        if data.nbytes <= INBAND_MAX_BYTES:
+            tail = _inband_bytes(data)
         else:
             flags |= _OUT_OF_BAND
             tail = _INDEX.pack(len(self.buffers))
-            self.buffers.append(_tensor_bytes(obj))
-        return _HEAD.pack(flags, code, len(shape)) + _SIZES[len(shape)].pack(*shape) + tail
+            self.buffers.append(_tensor_bytes(data))
+        return _HEAD.pack(flags, code, ndim) + head + tail
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -244,9 +278,10 @@ class _Unpickler(pickle.Unpickler):
             raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}")
         flags, code, ndim = _HEAD.unpack_from(pid)
         dtype_name = _CODE_NAMES[code] if code < len(_CODE_NAMES) else None
-        end = _HEAD.size + 8 * ndim
-        if flags & ~(_REQUIRES_GRAD | _PARAMETER | _OUT_OF_BAND) or dtype_name is None or ndim > _MAX_DIMS \
-                or len(pid) < end:
+        strided = flags & _STRIDED
+        end = _HEAD.size + (16 if strided else 8) * ndim
+        if flags & ~(_REQUIRES_GRAD | _PARAMETER | _OUT_OF_BAND | _STRIDED) or dtype_name is None \
+                or ndim > _MAX_DIMS or len(pid) < end:
             raise ProtocolError(f"malformed tensor descriptor {reprlib.repr(pid)}")
         dtype = _DTYPES[dtype_name]
         shape = _SIZES[ndim].unpack_from(pid, _HEAD.size)
@@ -262,7 +297,18 @@ class _Unpickler(pickle.Unpickler):
                 raise ProtocolError(f"tensor shape {shape} is too large")
         if requires_grad and dtype not in _GRAD_DTYPES:
             raise ProtocolError(f"a {dtype_name} tensor cannot require grad (descriptor {reprlib.repr(pid)})")
-        nbytes = numel * _ITEMSIZE[dtype]
+        strides: tuple[int, ...] | None = None
+        elements = numel
+        if strided:
+            strides = _SIZES[ndim].unpack_from(pid, _HEAD.size + 8 * ndim)
+            elements = 1
+            for s, stride in zip(shape, strides, strict=True):
+                if stride < 0 or stride > _MAX_ELEMENTS:
+                    raise ProtocolError(f"tensor strides {strides} out of range")
+                elements += (s - 1) * stride
+            if numel == 0 or elements > numel:
+                raise ProtocolError(f"tensor of shape {shape} cannot have strides {strides}")
+        nbytes = elements * _ITEMSIZE[dtype]
         if not flags & _OUT_OF_BAND:
             carried = len(pid) - end
             if nbytes != carried:
@@ -287,6 +333,8 @@ class _Unpickler(pickle.Unpickler):
             flat = buffer.view(dtype) if numel else None
         if flat is None:
             tensor = torch.empty(shape, dtype=dtype)
+        elif strides is not None:
+            tensor = flat.as_strided(shape, strides)
         elif len(shape) == 1:
             tensor = flat
         elif shape:

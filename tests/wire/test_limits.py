@@ -227,13 +227,19 @@ def _descriptor_body(*pids: object) -> bytes:
 
 
 def _pid(where: int | bytes, dtype: str, shape: tuple[int, ...], requires_grad: bool = False,
-         parameter: bool = False, flags: int = 0, ndim: int | None = None) -> bytes:
+         parameter: bool = False, flags: int = 0, ndim: int | None = None,
+         strides: tuple[int, ...] | None = None) -> bytes:
     """A descriptor as the codec writes it (see actorgrad.wire._codec): ``where`` is a
-    buffer index (out of band) or the in-band bytes; ``flags``/``ndim`` override."""
+    buffer index (out of band) or the in-band bytes; ``flags``/``ndim`` override;
+    ``strides`` makes it a strided one."""
     flags |= (1 if requires_grad else 0) | (2 if parameter else 0) | (4 if isinstance(where, int) else 0)
+    flags |= 8 if strides is not None else 0
     head = struct.pack("<BBB", flags, _DTYPE_ORDER.index(dtype), len(shape) if ndim is None else ndim)
+    head += struct.pack(f"<{len(shape)}q", *shape)
+    if strides is not None:
+        head += struct.pack(f"<{len(strides)}q", *strides)
     tail = struct.pack("<I", where) if isinstance(where, int) else where
-    return head + struct.pack(f"<{len(shape)}q", *shape) + tail
+    return head + tail
 
 
 def _received_payload(body: bytes, buffers: tuple[bytes, ...]) -> Payload:
@@ -248,11 +254,13 @@ def _received_payload(body: bytes, buffers: tuple[bytes, ...]) -> Payload:
 
 def test_descriptor_crafting_works():
     """Guard: well-formed crafted descriptors do load (so the failures below are real)."""
-    payload = _received_payload(_descriptor_body(_pid(0, "int16", (2, 2)), _pid(b"\x02\x00", "int16", ())),
+    payload = _received_payload(_descriptor_body(_pid(0, "int16", (2, 2)), _pid(b"\x02\x00", "int16", ()),
+                                                 _pid(b"\x03\x00\x04\x00", "int16", (3, 2), strides=(0, 1))),
                                 (b"\x01\x00" * 4,))
-    out_of_band, in_band = payload.load()
+    out_of_band, in_band, strided = payload.load()
     assert torch.equal(out_of_band, torch.ones(2, 2, dtype=torch.int16))
     assert torch.equal(in_band, torch.tensor(2, dtype=torch.int16))
+    assert torch.equal(strided, torch.tensor([[3, 4]] * 3, dtype=torch.int16)) and strided.stride() == (0, 1)
 
 
 @pytest.mark.parametrize(("pid", "buffers", "message"), [
@@ -268,7 +276,14 @@ def test_descriptor_crafting_works():
     (_pid(0, "float32", (1,), ndim=2), (b"\x00" * 4,), "malformed tensor descriptor"),  # sizes cut short
     (_pid(0, "float32", (1,), ndim=65), (b"\x00" * 4,), "malformed tensor descriptor"),  # too many dims
     (_pid(0, "float32", (1,))[:2], (b"\x00" * 4,), "malformed tensor descriptor"),  # header cut short
-    (_pid(0, "float32", (1,), flags=8), (b"\x00" * 4,), "malformed tensor descriptor"),  # unknown flag
+    (_pid(0, "float32", (1,), flags=16), (b"\x00" * 4,), "malformed tensor descriptor"),  # unknown flag
+    (_pid(0, "float32", (2, 2), flags=8), (b"\x00" * 16,), "malformed tensor descriptor"),  # strides cut short
+    (_pid(0, "float32", (2, 2), strides=(1, -1)), (b"\x00" * 16,), "strides (1, -1) out of range"),
+    (_pid(0, "float32", (2, 2), strides=(2**62 + 1, 0)), (b"\x00" * 16,), "out of range"),
+    (_pid(0, "float32", (2, 2), strides=(3, 1)), (b"\x00" * 20,), "cannot have strides (3, 1)"),  # gaps
+    (_pid(0, "float32", (0, 2), strides=(0, 1)), (b"",), "cannot have strides"),
+    (_pid(0, "float32", (3, 2), strides=(0, 1)), (b"\x00" * 24,), "needs 8 bytes, the frame carries 24"),
+    (_pid(b"\x00" * 4, "float32", (3, 2), strides=(0, 1)), (), "needs 8 bytes, the descriptor carries 4"),
     (_pid(0, "float32", (1,)) + b"\x00", (b"\x00" * 4,), "malformed tensor descriptor"),  # index too long
     ((0, "float32", (1,), False, False), (b"\x00" * 4,), "malformed tensor descriptor"),  # not bytes
     ("tensor", (b"\x00" * 4,), "malformed tensor descriptor"),

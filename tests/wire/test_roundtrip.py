@@ -204,6 +204,18 @@ def _dtype_zoo(dtype: torch.dtype, big: bool) -> dict[str, torch.Tensor]:
     return zoo
 
 
+# the zoo's tensors whose elements cover no more memory than they number: they travel
+# as that memory and their strides; the views with gaps are compacted
+_KEEP_STRIDES = ("transposed", "expanded")
+
+
+def _memory_bytes(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to its last in memory."""
+    offsets = torch.as_strided(torch.arange(t.untyped_storage().nbytes() // t.element_size()),
+                               t.shape, t.stride(), t.storage_offset())
+    return (int(offsets.max()) - int(offsets.min()) + 1) * t.element_size()
+
+
 @pytest.mark.parametrize("big", [False, True], ids=["inband", "out_of_band"])
 @pytest.mark.parametrize("name", sorted(_DTYPES))
 def test_every_dtype(name, big):
@@ -217,11 +229,15 @@ def test_every_dtype(name, big):
         assert got.dtype == dtype and got.shape == original.shape, key
         assert same_bits(got, original), key
         assert not got.requires_grad
-        assert got.is_contiguous()
+        if key in _KEEP_STRIDES:
+            assert got.stride() == original.stride(), key
+        else:
+            assert got.is_contiguous(), key
     # Exactly the tensors above the in-band limit travel as buffers, in order, each
-    # holding exactly the tensor's bytes.
-    expected = [t.numel() * t.element_size() for t in tensors.values()
-                if t.numel() * t.element_size() > INBAND_MAX_BYTES]
+    # holding exactly the tensor's bytes (its memory, for those that keep strides).
+    travelling = [_memory_bytes(t) if key in _KEEP_STRIDES else t.numel() * t.element_size()
+                  for key, t in tensors.items()]
+    expected = [n for n in travelling if n > INBAND_MAX_BYTES]
     assert [b.nbytes for b in sent.buffers] == expected
     assert [r.numel() for r in received.raw] == expected
     if big:
@@ -292,6 +308,32 @@ def test_conj_and_neg_views(size):
     assert torch.equal(loaded[1], -z.imag)
     assert torch.equal(loaded[2], torch.conj_physical(z)[::2])
     assert torch.equal(z.conj(), conj)  # the original views are untouched
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["inband", "out_of_band"])
+def test_strided_tensors_keep_their_strides(big):
+    """As torch's RPC sends a storage: a tensor whose elements cover no more memory than
+    they number travels as that memory and its strides (an expand stays small, a
+    channels_last batch stays channels_last); a view with gaps is compacted."""
+    n = 4096 if big else 8
+    row = _sample(torch.float32, (1, n))
+    expanded = row.expand((1 << 20) // n, n)  # 4 MiB shown, one row stored
+    channels_last = _sample(torch.bfloat16, (2, 3, n, 4), seed=1).to(memory_format=torch.channels_last)
+    transposed = _sample(torch.float64, (n, 3), seed=2).t()
+    leaf = _sample(torch.float32, (n, 2), seed=3).t().requires_grad_()
+    column = _sample(torch.int64, (n, 5), seed=4)[:, 2]  # stride 5: gaps
+    shown = [expanded, channels_last, transposed, leaf, column]
+    loaded, sent, _ = _roundtrip_payload(shown)
+    stored = row.nbytes + channels_last.nbytes + transposed.nbytes + leaf.nbytes + column.nbytes
+    assert sent.nbytes < stored + 1024
+    for original, got in zip(shown, loaded, strict=True):
+        assert got.shape == original.shape and got.dtype == original.dtype
+        assert same_bits(got.detach(), original.detach())
+    assert [t.stride() for t in loaded[:4]] == [t.stride() for t in shown[:4]]
+    assert loaded[1].is_contiguous(memory_format=torch.channels_last)
+    assert loaded[4].is_contiguous()
+    assert loaded[3].requires_grad and loaded[3].is_leaf and not loaded[3]._is_view()
+    assert loaded[0].untyped_storage().nbytes() == row.nbytes
 
 
 def test_sparse_tensor_travels():
