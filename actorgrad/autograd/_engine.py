@@ -59,6 +59,7 @@ from torch.autograd.graph import GradientEdge
 
 from .._errors import ContextError
 from ..runtime import Worker, get_worker
+from ..runtime._torch_modes import as_a_fresh_thread, fresh_modes
 from ..wire import Payload
 from ._context import (
     ID_BITS,
@@ -99,11 +100,16 @@ _torch_run_backward = torch.autograd.Variable._execution_engine.run_backward
 
 
 def _run_backward(*call: Any) -> Any:
-    """torch's engine, counted (the recv functions it runs check that it is ours)."""
+    """torch's engine, counted (the recv functions it runs check that it is ours), in
+    the torch modes of a fresh thread (torch runs CPU nodes under the calling thread's
+    autocast; a coroutine waiting inside ``torch.autocast`` leaves it on the loop)."""
     calls = engine_calls
     calls.count += 1
     try:
-        return _torch_run_backward(*call)
+        if fresh_modes():
+            return _torch_run_backward(*call)
+        with as_a_fresh_thread():
+            return _torch_run_backward(*call)
     finally:
         calls.count -= 1
 

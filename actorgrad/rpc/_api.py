@@ -20,6 +20,7 @@ from .._errors import RemoteError
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..runtime._calls import check_timeout
 from ..runtime._current import on_loop
+from ..runtime._torch_modes import as_a_fresh_thread, fresh_modes
 from ..wire import Payload
 from . import _hooks
 from ._inline import InlinePolicy
@@ -114,13 +115,11 @@ def _torch_future_value(future: torch._C.Future[Any]) -> asyncio.Future[Any]:
 def _call_inline(
     policy: InlinePolicy | None, func: Callable[..., Any], args: Any, kwargs: Any, nbytes: int = 0
 ) -> Any:
-    """Run ``func`` on the loop thread as a pool thread would run it.
-
-    Grad mode is per thread, and a coroutine suspended inside ``torch.no_grad()``
-    leaves it off for the whole loop thread; a pool thread always starts with it on.
-    """
-    if not _is_grad_enabled():
-        with torch.enable_grad():
+    """Run ``func`` on the loop thread as a pool thread would run it: with torch's
+    modes as a fresh thread has them (a coroutine suspended inside ``torch.no_grad()``
+    or ``torch.autocast(...)`` leaves them set for the whole loop thread)."""
+    if not fresh_modes():
+        with as_a_fresh_thread():
             return _call_inline(policy, func, args, kwargs, nbytes)
     code = policy.key(func) if policy is not None else None
     if code is None:

@@ -66,6 +66,7 @@ from ._rendezvous import (
     TorchAgentStore,
     parse_init_method,
 )
+from ._torch_modes import as_a_fresh_thread, fresh_modes
 from ._trace import Tracer, in_lanes, now_us
 from ._transport import LoopbackPeer, PeerProtocol
 
@@ -599,6 +600,9 @@ class Worker:
     def on_message(self, peer: PeerProtocol, msg: Message) -> None:
         if peer.rank is None or (self.peers.get(peer.rank) is not peer and peer is not self._loopback):
             return  # a connection we rejected or replaced: nothing it sent is acted on
+        if not fresh_modes():  # a coroutine waits inside torch.no_grad() or autocast...
+            with as_a_fresh_thread():  # ...: tensors received now must not be marked by it
+                return self.on_message(peer, msg)
         token = _current.current_worker.set(self)
         try:
             if isinstance(msg, Call):
@@ -638,6 +642,9 @@ class Worker:
         if peer.rank is None or self.peers.get(peer.rank) is not peer:
             peer.deferred.clear()
             return
+        if not fresh_modes():  # see on_message
+            with as_a_fresh_thread():
+                return self.serve_deferred(peer)
         token = _current.current_worker.set(self)
         self.corking += 1  # the replies leave together
         try:

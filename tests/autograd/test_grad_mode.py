@@ -67,3 +67,34 @@ async def test_rpc_sync_in_a_remote_function_follows_its_threads_no_grad(group3,
     (lx,) = local_copies(x)
     (lx * 3 + (lx * 2).detach() + lx * 5).sum().backward()
     assert_grads(grads, [(x, lx.grad)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_work_on_the_loop_is_untouched_by_a_coroutine_waiting_in_autocast(make_process_group, mode):
+    # worker1 serves a coroutine that waits inside torch.autocast and inference_mode,
+    # which leaves both set on its loop thread meanwhile; a builtin run inline there and
+    # the small backward job of its graph must still compute as a pool thread does (in
+    # float32: the builtin's result came back as bfloat16, and its gradient with it)
+    await make_process_group(2)
+
+    async def holder() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+            await asyncio.sleep(0.6)
+
+    x = torch.rand(4, 4, requires_grad=True)
+    w = torch.rand(4, 4, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        waiting = asyncio.ensure_future(ag.rpc_async("worker1", holder))
+        await asyncio.sleep(0.2)
+        y = await ag.rpc_async("worker1", torch.mm, args=(x, w))
+        assert y.dtype == torch.float32 and y.requires_grad
+        await ag.autograd.backward(cid, [(y * y).sum()], mode=mode)
+        grads = ag.autograd.get_gradients(cid)
+        assert not waiting.done()  # all of it happened while the coroutine waited
+        await waiting
+    lx, lw = local_copies(x, w)
+    ly = torch.mm(lx, lw)
+    (ly * ly).sum().backward()
+    assert torch.equal(y, ly.detach())
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    assert_grads(grads, [(x, lx.grad), (w, lw.grad)])
