@@ -83,6 +83,7 @@ _INDEX = struct.Struct("<I")
 _MAX_ELEMENTS = 1 << 62  # beyond this torch overflows sizes and strides
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _EMPTY = memoryview(b"")
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -172,6 +173,13 @@ class _Pickler(cloudpickle.Pickler):
     def _describe(self, obj: torch.Tensor) -> bytes | None:
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
         a tensor torch's own pickling handles."""
+        if _functorch_wrapped(obj):
+            raise TypeError(
+                "a tensor inside a torch.func transform (grad, vmap, jacrev...) cannot be "
+                "sent: the transform cannot follow it to another worker, so its result "
+                "would be wrong (torch.func.grad gave zeros); apply the transform inside "
+                "the remote function, or use distributed autograd"
+            )
         code = _DTYPE_CODES.get(obj.dtype)
         if (code is None or obj.layout is not _strided or obj.is_quantized or obj.is_nested
                 or obj.dim() > _MAX_DIMS):

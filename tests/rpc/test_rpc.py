@@ -568,6 +568,21 @@ async def test_non_callable_func(group2):
         await ag.rpc_async("worker1", "torch.add", args=(1, 2))
 
 
+async def test_a_tensor_inside_a_torch_func_transform_is_refused(group2):
+    """torch.func.grad over an RPC gave zeros (the transform cannot follow the tensor
+    to another worker): the call is refused instead, and the worker serves on."""
+    x = torch.rand(4)
+
+    def through_rpc(a: torch.Tensor) -> torch.Tensor:
+        return ag.rpc_sync("worker1", torch.sin, args=(a,)).sum()
+
+    for transform in (torch.func.grad, torch.func.vmap):
+        with pytest.raises(TypeError, match=r"inside a torch.func transform .* cannot be sent"):
+            await asyncio.to_thread(transform(through_rpc), x.unsqueeze(0) if transform is torch.func.vmap else x)
+    assert torch.equal(await ag.rpc_async("worker1", torch.sin, args=(x,)), torch.sin(x))
+    assert torch.allclose(torch.func.grad(lambda a: torch.sin(a).sum())(x), torch.cos(x))
+
+
 @pytest.mark.parametrize("rank", [2, 99, -1])
 async def test_rank_out_of_range(group2, rank):
     with pytest.raises(ValueError):
