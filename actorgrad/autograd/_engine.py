@@ -129,6 +129,14 @@ def _runs_python(region: Sequence[Any]) -> bool:
     return False
 
 
+def _hooked(pairs: Sequence[tuple[Any, torch.Tensor]], inputs: Sequence[Any]) -> bool:
+    """Whether a job's start tensors or target leaves carry tensor hooks: user Python
+    (it may block, or call ``rpc_sync``), so the job goes to the pool. (Hooks on the
+    tensors in between cannot be seen from their nodes: see the README.)"""
+    return any(type(start) is not GradientEdge and start._backward_hooks for start, _ in pairs) or any(
+        type(target) is not GradientEdge and target._backward_hooks for target in inputs)
+
+
 class _ReleasedGuard:
     """Around work on ``ctx``: an exception it raises after the context was released
     meanwhile becomes the ContextError of :meth:`EngineActor._released` (a slotted
@@ -527,7 +535,8 @@ class EngineActor:
                     return _run_backward(*call)
 
         small = len(region) <= _INLINE_JOB_NODES and sum(
-            g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES and not _runs_python(region)
+            g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES and not _runs_python(region) \
+            and not _hooked(pairs, inputs)
         return Job(compute, small)
 
     def _deliver(

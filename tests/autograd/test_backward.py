@@ -816,6 +816,37 @@ async def test_leaf_arguments_get_their_gradients_with_and_without_hooks(group2)
     assert_grads(grads, [(plain, lp.grad), (hooked, lh.grad), (twice, lt.grad)])
 
 
+def make_leaf_with_a_calling_hook(n: int) -> torch.Tensor:
+    """A leaf whose hook asks worker0 for what to add: a blocking call in a hook, which
+    torch's distributed autograd runs on its own threads."""
+    leaf = torch.arange(float(n)).requires_grad_()
+    leaf.register_hook(lambda g: g + ag.rpc_sync("worker0", torch.full, args=((n,), 0.5)))
+    return leaf
+
+
+def times_held(rref: ag.RRef, x: torch.Tensor) -> torch.Tensor:
+    return rref.local_value() * x
+
+
+async def test_a_hook_that_calls_another_worker_runs_off_the_loop(group2):
+    """A tensor hook is user Python that may block (here an rpc_sync): the backward job
+    that runs it goes to the pool, as a custom Function's does, never the event loop
+    (where the blocking call was refused and the backward failed)."""
+    rref = ag.remote("worker1", make_leaf_with_a_calling_hook, args=(3,))
+    x = rand3()
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", times_held, args=(rref, x))
+        await ag.autograd.backward(context_id, [(y * y).sum()])
+        grads = ag.autograd.get_gradients(context_id)
+        owner_grad = await ag.rpc_async("worker1", _rref_grad, args=(rref, context_id))
+    lw = torch.arange(3.0).requires_grad_()
+    lw.register_hook(lambda g: g + 0.5)
+    (lx,) = local_copies(x)
+    ((lw * lx) ** 2).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    torch.testing.assert_close(owner_grad, lw.grad)
+
+
 async def test_broadcast_gradient_travels_as_its_values_and_arrives_dense(group2, monkeypatch):
     """d(y.sum())/dy is one value expanded to y's shape: PROPAGATE_GRADS carries that
     value, not 256 KiB of ones; and gradients handed out are dense and writable."""
