@@ -270,9 +270,19 @@ class PeerProtocol(asyncio.BufferedProtocol):
         if isinstance(exc, AuthenticationError) and not self.established.done():
             self.established.set_exception(exc)
             self.established.exception()
+            self.worker.on_key_check_failed(self.conn.peer_rank, exc)
         log.warning("%s: dropping connection to %s: %s", self.worker.name, self.name or "peer", exc)
         if self.transport is not None:
-            self.transport.abort()
+            if isinstance(exc, AuthenticationError):
+                # our AUTH goes out first (the peer's HELLO and failed AUTH may arrive in
+                # one read, which fails before the reply is written), then a close, not a
+                # reset that may discard it: the peer checks it and tells a failed key
+                # check from a connection that just broke
+                if (out := self.conn.data_to_send()):
+                    self._write(out)
+                self.close()
+            else:
+                self.transport.abort()
 
     def close(self) -> None:
         if self.transport is not None:

@@ -378,7 +378,19 @@ class Worker:
         return RendezvousTimeout(text)
 
     def _not_connected(self) -> list[int]:
-        return sorted(r for r, waiter in self._peer_waiters.items() if not waiter.done())
+        # (asked after a timeout, which cancelled the waiters still waiting)
+        return sorted(r for r, waiter in self._peer_waiters.items() if not waiter.done() or waiter.cancelled())
+
+    def on_key_check_failed(self, rank: int | None, exc: AuthenticationError) -> None:
+        """A connection claiming to be ``rank`` failed the key check. While the group
+        forms, its waiter fails with that: the group cannot form without the rank, and
+        the worker that tried to join already knows why, so this one need not wait for
+        its timeout. (The rendezvous store takes anyone's entries anyway: nobody who
+        can reach it is denied a way to stop a group forming that they did not have.)"""
+        waiter = self._peer_waiters.get(rank) if rank is not None else None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(AuthenticationError(f"{self.name}: rank {rank} cannot join: {exc}"))
+            waiter.exception()  # retrieved: the rendezvous may fail elsewhere first
 
     async def _wait_entries(self, deadline: float, prefix: str, what: str) -> dict[str, str]:
         """The store's entries under ``prefix`` once every rank wrote one. The store
