@@ -125,6 +125,7 @@ for _cls in (
     AuthenticationError,
     RemoteError,
     RpcTimeout,
+    RendezvousTimeout,
     WorkerLost,
     ContextError,
     CollectiveError,

@@ -176,7 +176,10 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for torchrun compatibility (the rendezvous is always local)",
     )
-    launch_p.add_argument("script", metavar="SCRIPT", help="Python script (or module, with -m) to run in every rank")
+    # (optional to argparse, checked in main: a REMAINDER after a required positional
+    # made argparse call ARGS required too when SCRIPT was missing)
+    launch_p.add_argument("script", metavar="SCRIPT", nargs="?",
+                          help="Python script (or module, with -m) to run in every rank")
     launch_p.add_argument(
         "script_args",
         nargs=argparse.REMAINDER,
@@ -597,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "launch":
+        if args.script is None:
+            print(f"{_LAUNCH}: the following argument is required: SCRIPT (the script, or module "
+                  "with -m, that every rank runs)", file=sys.stderr)
+            return 2
         if args.trace:
             trace_path = os.path.abspath(args.trace)
             if not os.path.isdir(os.path.dirname(trace_path)):  # say so now, not after the run

@@ -231,7 +231,16 @@ class GraphQuery(collections.abc.Coroutine):
             raise AttributeError(name)
         if self._graph is None:
             worker = self._worker
-            self._graph = run_sync(worker, lambda: worker.loop.create_task(self._collected()))
+            try:
+                self._graph = run_sync(worker, lambda: worker.loop.create_task(self._collected()))
+            except RuntimeError as exc:
+                if "cannot be re-entered" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    f"graph(context_id).{name} collects the graph from every worker, which "
+                    "a coroutine on the worker's uvloop loop cannot wait for in a blocking "
+                    f"call: write `(await ag.autograd.graph(context_id)).{name}`"
+                ) from None
         return getattr(self._graph, name)
 
 

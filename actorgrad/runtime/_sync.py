@@ -196,7 +196,10 @@ def _reenter(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future
             "a blocking *_sync call was made inside a coroutine on the worker's uvloop event "
             "loop, which cannot be re-entered: use the async form (`await "
             "actorgrad.rpc_async(...)`, `await rref.rpc_async().method()`); on an asyncio "
-            "loop (asyncio.run, Jupyter) blocking calls re-enter it through nest_asyncio"
+            "loop (asyncio.run, Jupyter) blocking calls re-enter it through nest_asyncio. "
+            "(A hook on an intermediate tensor or an autograd node runs on the loop too when "
+            "a small distributed backward job runs it: make the blocking call in a custom "
+            "autograd.Function, whose backward runs on the thread pool)"
         )
     import nest_asyncio
 

@@ -373,6 +373,8 @@ def test_modules_and_directories_run_as_with_python(tmp_path: Path) -> None:
     assert {"[rank 0] main of 0", "[rank 1] main of 1"} <= set(out.splitlines())
     code, _out, err = _run(["launch", "--nproc", "2", "--nnodes", "2", str(tmp_path)])
     assert code == 2 and "this machine only" in err
+    code, _out, err = _run(["launch", "--nproc", "2"])  # (said "required: SCRIPT, ARGS")
+    assert code == 2 and "required: SCRIPT (" in err and "ARGS" not in err
 
 
 def test_a_launcher_without_stdout_or_stderr_still_ends(tmp_path: Path) -> None:

@@ -98,6 +98,24 @@ async def test_graph_used_without_await_where_blocking_calls_work(group2) -> Non
         assert tasked.to_dot() == waited.to_dot()
 
 
+async def graph_used_without_await_on_a_worker() -> str:
+    """On a worker's uvloop loop, where a blocking call cannot wait."""
+    t1 = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        t3 = await ag.rpc_async("worker0", torch.add, args=(t1, t1))
+        try:
+            ag.autograd.graph(cid, roots=[t3.sum()]).to_dot()
+        except RuntimeError as exc:
+            return str(exc)
+    return "no error"
+
+
+async def test_graph_used_without_await_on_uvloop_says_to_await_it(make_process_group) -> None:  # type: ignore[no-untyped-def]
+    await make_process_group(2)  # (worker1 runs on uvloop)
+    said = await ag.rpc_async("worker1", graph_used_without_await_on_a_worker)
+    assert "write `(await ag.autograd.graph(context_id)).to_dot`" in said, said
+
+
 def _calls(path) -> int:  # type: ignore[no-untyped-def]
     events = json.loads(path.read_text())["traceEvents"]
     return sum(1 for e in events if e["pid"] == 0 and e["name"] == "call rpc.call")

@@ -705,8 +705,10 @@ def test_every_error_is_a_runtime_error_as_torchs_are():
     """torch.distributed's errors and torch RPC's failures are RuntimeErrors: code ported
     from torch that catches RuntimeError catches ours; the finer types stay."""
     for cls in (ag.ActorgradError, ag.RemoteError, ag.RpcTimeout, ag.WorkerLost,
-                ag.ProtocolError, ag.AuthenticationError, ag.ContextError):
+                ag.ProtocolError, ag.AuthenticationError, ag.ContextError, ag.RendezvousTimeout,
+                ag.CollectiveError, ag.CollectiveRankLost):
         assert issubclass(cls, RuntimeError), cls
+        assert cls.__module__ == "actorgrad" and getattr(ag, cls.__name__) is cls, cls
     assert issubclass(ag.RpcTimeout, TimeoutError) and issubclass(ag.WorkerLost, ConnectionError)
 
 
