@@ -20,7 +20,7 @@ from .._errors import RemoteError
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..runtime._calls import check_timeout
 from ..runtime._current import on_loop
-from ..runtime._torch_modes import as_a_fresh_thread, fresh_modes
+from ..runtime._torch_modes import InOwnModes, as_a_fresh_thread, fresh_modes
 from ..wire import Payload
 from . import _hooks
 from ._inline import InlinePolicy
@@ -63,7 +63,7 @@ async def run_user_function(
     (or inline, when ``inline`` says so; ``policy`` learns which may be, by the
     function and ``nbytes``, the size of its tensor arguments)."""
     if inspect.iscoroutinefunction(func):
-        value = await func(*args, **kwargs)
+        value = await InOwnModes(func(*args, **kwargs))
     elif inline:
         value = _call_inline(policy, func, args, kwargs, nbytes)
     else:
@@ -84,7 +84,9 @@ def _pending(value: Any) -> bool:
 
 
 async def _resolved(value: Any) -> Any:
-    if inspect.isawaitable(value):
+    if inspect.iscoroutine(value):
+        value = await InOwnModes(value)
+    elif inspect.isawaitable(value):
         value = await value
     if isinstance(value, _TorchFuture):
         value = await _torch_future_value(value)

@@ -1,45 +1,155 @@
 """torch's per-thread modes as a fresh thread has them, for work run on the loop.
 
-Grad mode, inference mode and autocast are per thread in torch. A coroutine on a
-worker's event loop that waits inside ``torch.no_grad()``, ``torch.inference_mode()``
-or ``torch.autocast(...)`` leaves them set on the loop thread for as long as it waits.
-What the loop runs for others meanwhile (a builtin called inline, a small backward
-job) must see what a pool thread sees: grad on, inference mode off, no autocast.
+Grad mode, inference mode, autocast and the stacks of torch function and dispatch
+modes (``with torch.device("meta")``, ``FakeTensorMode``) are per thread in torch. A
+coroutine on a worker's event loop that waits inside one of them leaves it set on the
+loop thread for as long as it waits. What the loop runs for others meanwhile (receiving
+a message, a builtin called inline, a small backward job) must see what a pool thread
+sees: grad on, inference mode off, no autocast, no modes (``as_a_fresh_thread``). A
+remote ``async def`` function is such work too, but one that may change modes itself
+and keep them across an ``await``: ``InOwnModes`` gives each step of it the grad,
+inference, autocast and mode stacks it left at its previous step (fresh at the first),
+and gives the loop back the modes it had.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Coroutine, Generator, Iterator
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
+from torch.utils._python_dispatch import _push_mode as _push_dispatch_mode
 
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
-# every device type torch's autocast may know; those this torch does not are skipped
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu", "privateuseone")
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_AUTOCAST_DEVICES = tuple(torch._C._autocast_supported_devices())
+
+# grad enabled, inference mode, (device, dtype) of each autocast on, the torch function
+# modes and the dispatch modes (each stack bottom first)
+Modes = tuple[bool, bool, tuple[tuple[str, torch.dtype], ...], tuple[Any, ...], tuple[Any, ...]]
+_FRESH: Modes = (True, False, (), (), ())
 
 
 def fresh_modes() -> bool:
-    """Whether this thread's torch modes are those of a fresh thread (three C calls)."""
-    return _is_grad_enabled() and not _is_inference_mode_enabled() and not _is_any_autocast_enabled()
+    """Whether this thread's torch modes are those of a fresh thread (five C calls)."""
+    return (_is_grad_enabled() and not _is_inference_mode_enabled() and not _is_any_autocast_enabled()
+            and not _function_modes() and not _dispatch_modes())
+
+
+def _autocasts() -> tuple[tuple[str, torch.dtype], ...]:
+    if not _is_any_autocast_enabled():
+        return ()
+    on = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append((device, torch.get_autocast_dtype(device)))
+        except RuntimeError:  # a device type this torch's autocast does not know (renamed)
+            continue
+    return tuple(on)
+
+
+def _modes() -> Modes:
+    functions, dispatches = _function_modes(), _dispatch_modes()
+    return (
+        _is_grad_enabled(), _is_inference_mode_enabled(), _autocasts(),
+        tuple(torch._C._get_function_stack_at(i) for i in range(functions)) if functions else (),
+        tuple(torch._C._get_dispatch_stack_at(i) for i in range(dispatches)) if dispatches else (),
+    )
+
+
+def _same(stack: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
+    return len(stack) == len(other) and all(a is b for a, b in zip(stack, other, strict=True))
+
+
+def _swap_stack(stack: contextlib.ExitStack, wanted: tuple[Any, ...], depth: Any, pop: Any, push: Any) -> None:
+    """Within ``stack``: the mode stack that ``depth``/``pop``/``push`` reach holds
+    ``wanted``; whatever it holds at the exit is replaced by what it held before."""
+    held = [pop() for _ in range(depth())]
+
+    def restore() -> None:
+        for _ in range(depth()):
+            pop()
+        for mode in reversed(held):
+            push(mode)
+
+    stack.callback(restore)
+    for mode in wanted:
+        push(mode)
 
 
 @contextlib.contextmanager
-def as_a_fresh_thread() -> Iterator[None]:
-    """Within: this thread's torch modes as a fresh thread has them; restored after."""
+def _in_modes(modes: Modes) -> Iterator[None]:
+    """Within: this thread's torch modes are ``modes``; restored after."""
+    grad, inference, autocasts, functions, dispatches = modes
     with contextlib.ExitStack() as stack:
-        if _is_inference_mode_enabled():
-            stack.enter_context(torch.inference_mode(False))
-        if not _is_grad_enabled():
-            stack.enter_context(torch.enable_grad())
-        if _is_any_autocast_enabled():
-            for device in _AUTOCAST_DEVICES:
-                try:
-                    enabled = torch.is_autocast_enabled(device)
-                except RuntimeError:  # a device type this torch's autocast does not know
-                    continue
-                if enabled:
-                    stack.enter_context(torch.autocast(device, enabled=False))
+        if not _same(functions, _modes()[3]):
+            _swap_stack(stack, functions, _function_modes, torch._C._pop_torch_function_stack,
+                        torch._C._push_on_torch_function_stack)
+        if not _same(dispatches, _modes()[4]):
+            _swap_stack(stack, dispatches, _dispatch_modes, _pop_dispatch_mode, _push_dispatch_mode)
+        if _is_inference_mode_enabled() != inference:
+            stack.enter_context(torch.inference_mode(inference))
+        if _is_grad_enabled() != grad:
+            stack.enter_context(torch.set_grad_enabled(grad))
+        now, wanted = dict(_autocasts()), dict(autocasts)
+        for device in now.keys() | wanted.keys():
+            if now.get(device) != wanted.get(device):
+                dtype = wanted.get(device)
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=dtype is not None))
         yield
+
+
+def as_a_fresh_thread() -> contextlib.AbstractContextManager[None]:
+    """Within: this thread's torch modes as a fresh thread has them; restored after."""
+    return _in_modes(_FRESH)
+
+
+class InOwnModes:
+    """``await InOwnModes(coro)``: ``coro`` awaited with its own grad, inference and
+    autocast modes at every step (see the module docstring). Cheap when nobody changed
+    any: a few C calls a step."""
+
+    __slots__ = ("_coro", "_modes")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._coro = coro
+        self._modes = _FRESH
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self  # (a generator by its methods)
+
+    def __iter__(self) -> InOwnModes:
+        return self
+
+    def __next__(self) -> Any:
+        return self.send(None)
+
+    def send(self, value: Any) -> Any:
+        return self._step(self._coro.send, value)
+
+    def throw(self, *exc: Any) -> Any:
+        return self._step(self._coro.throw, *exc)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def _step(self, step: Any, *args: Any) -> Any:
+        # (after a step, the modes it left are the coroutine's: _FRESH itself when they
+        # are a fresh thread's, so the common case compares by identity)
+        mine = self._modes
+        if mine is _FRESH and fresh_modes():
+            try:
+                return step(*args)
+            finally:
+                self._modes = _FRESH if fresh_modes() else _modes()
+        with _in_modes(mine):
+            try:
+                return step(*args)
+            finally:
+                self._modes = _FRESH if fresh_modes() else _modes()

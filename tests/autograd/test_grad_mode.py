@@ -98,3 +98,51 @@ async def test_work_on_the_loop_is_untouched_by_a_coroutine_waiting_in_autocast(
     assert torch.equal(y, ly.detach())
     assert all(g.dtype == torch.float32 for g in grads.values())
     assert_grads(grads, [(x, lx.grad), (w, lw.grad)])
+
+
+async def holding_modes(seconds: float) -> None:
+    """Waits inside modes that stay set on the loop thread while it waits."""
+    with torch.no_grad(), torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16):
+        await asyncio.sleep(seconds)
+
+
+async def triple_after_a_step(x: torch.Tensor) -> torch.Tensor:
+    await asyncio.sleep(0.01)
+    return torch.mm(x, torch.eye(x.shape[1])) * 3
+
+
+async def keeping_its_own_modes(x: torch.Tensor) -> list[object]:
+    seen = []
+    with torch.no_grad():
+        await asyncio.sleep(0.4)  # holding_modes starts meanwhile and holds its modes on
+        seen += [torch.is_grad_enabled(), (x * 2).requires_grad]
+    seen += [torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.zeros(1).device.type]
+    return seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_remote_coroutine_runs_in_its_own_modes(make_process_group, mode):
+    # worker1 serves a coroutine that waits inside no_grad, a meta device and autocast;
+    # a remote async def served meanwhile ran in them: its result was not recorded (a
+    # wrong gradient in SMART mode, an "unused RPC" in FAST) and came back in bfloat16,
+    # and an empty tensor received meanwhile landed on the meta device. A remote
+    # coroutine keeps the modes it sets itself across its awaits, whoever runs between.
+    await make_process_group(2)
+    x = torch.rand(3, 3, requires_grad=True)
+    own = asyncio.ensure_future(ag.rpc_async("worker1", keeping_its_own_modes, args=(torch.ones(2),)))
+    await asyncio.sleep(0.1)
+    holder = asyncio.ensure_future(ag.rpc_async("worker1", holding_modes, args=(2.0,)))
+    await asyncio.sleep(0.2)
+    async with ag.autograd.context() as cid:
+        y = await ag.rpc_async("worker1", triple_after_a_step, args=(x,))
+        assert y.dtype == torch.float32
+        await ag.autograd.backward(cid, [y.sum() + (x * x).sum()], mode=mode)
+        grads = ag.autograd.get_gradients(cid)
+    empty = await ag.rpc_async("worker1", torch.Tensor.__repr__, args=(torch.zeros(0, 3),))
+    assert not holder.done()
+    await holder
+    (lx,) = local_copies(x)
+    (torch.mm(lx, torch.eye(3)) * 3 + lx * lx).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+    assert "meta" not in empty
+    assert await own == [False, False, True, False, "cpu"]
