@@ -22,6 +22,7 @@ from ..runtime._calls import check_timeout
 from ..runtime._current import on_loop
 from ..runtime._torch_modes import InOwnModes, as_a_fresh_thread, fresh_modes
 from ..wire import Payload
+from ..wire._codec import forward_transform_active, sending_for_forward_transform
 from . import _hooks
 from ._inline import InlinePolicy
 from ._purity import plain
@@ -411,12 +412,18 @@ def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
     and grad mode (kept per thread by torch) decides whether the call is recorded in
     the autograd context, so a remote function's ``torch.no_grad()`` block counts."""
     grad = _is_grad_enabled()
+    forward = forward_transform_active()  # (its tangents are invisible to the loop thread)
 
     def run() -> Any:
-        if _is_grad_enabled() is grad:
-            return start()
-        with torch.set_grad_enabled(grad):
-            return start()
+        token = sending_for_forward_transform.set(True) if forward else None
+        try:
+            if _is_grad_enabled() is grad:
+                return start()
+            with torch.set_grad_enabled(grad):
+                return start()
+        finally:
+            if token is not None:
+                sending_for_forward_transform.reset(token)
 
     return run
 

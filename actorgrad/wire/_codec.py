@@ -45,6 +45,7 @@ send/recv entries.
 
 from __future__ import annotations
 
+import contextvars
 import copyreg
 import io
 import pickle
@@ -56,6 +57,7 @@ from typing import Any
 
 import cloudpickle
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from .._errors import ProtocolError
 from ._main_functions import fingerprint, is_main_function, main_function
@@ -84,6 +86,10 @@ _MAX_ELEMENTS = 1 << 62  # beyond this torch overflows sizes and strides
 _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES.values()}
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_batched = torch._C._functorch.is_batchedtensor
+_unwrapped = torch._C._functorch.get_unwrapped
+_transforms_active = torch._C._are_functorch_transforms_active
+_JVP = torch._C._functorch.TransformType.Jvp
 _EMPTY = memoryview(b"")
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -174,12 +180,7 @@ class _Pickler(cloudpickle.Pickler):
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
         a tensor torch's own pickling handles."""
         if _functorch_wrapped(obj):
-            raise TypeError(
-                "a tensor inside a torch.func transform (grad, vmap, jacrev...) cannot be "
-                "sent: the transform cannot follow it to another worker, so its result "
-                "would be wrong (torch.func.grad gave zeros); apply the transform inside "
-                "the remote function, or use distributed autograd"
-            )
+            obj = _transform_constant(obj)
         code = _DTYPE_CODES.get(obj.dtype)
         if (code is None or obj.layout is not _strided or obj.is_quantized or obj.is_nested
                 or obj.dim() > _MAX_DIMS):
@@ -240,6 +241,37 @@ class _Pickler(cloudpickle.Pickler):
         self.globals_ref: dict[int, Any] = {}
         self.tensors = []
         self.buffers = []
+
+
+# Set while a call is made for a thread that runs inside a forward-mode torch.func
+# transform (see forward_transform_active), when another thread pickles it.
+sending_for_forward_transform: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sending_for_forward_transform", default=False)
+
+
+def forward_transform_active() -> bool:
+    """Whether this thread runs inside torch.func.jvp (or jacfwd...), whose tangents a
+    tensor carries where only this thread's transform sees them."""
+    return _transforms_active() and any(
+        i.key() == _JVP for i in retrieve_all_functorch_interpreters())
+
+
+def _transform_constant(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a tensor of a torch.func transform, when the transform
+    treats it as a constant (detached inside grad: its value is all there is to send);
+    refused otherwise, since the transform cannot follow it to another worker (grad
+    gave zeros, vmap an error)."""
+    forward = forward_transform_active() or sending_for_forward_transform.get()
+    while _functorch_wrapped(tensor):
+        if forward or tensor.requires_grad or _batched(tensor):
+            raise TypeError(
+                "a tensor inside a torch.func transform (grad, vmap, jvp...) cannot be sent: "
+                "the transform cannot follow it to another worker, so its result would be "
+                "wrong; apply the transform inside the remote function, use distributed "
+                "autograd, or send a constant (.detach() it, outside vmap and jvp)"
+            )
+        tensor = _unwrapped(tensor)
+    return tensor
 
 
 def _refuse_untracked(what: str) -> None:

@@ -568,19 +568,33 @@ async def test_non_callable_func(group2):
         await ag.rpc_async("worker1", "torch.add", args=(1, 2))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # (torch.func.jvp's own)
 async def test_a_tensor_inside_a_torch_func_transform_is_refused(group2):
     """torch.func.grad over an RPC gave zeros (the transform cannot follow the tensor
-    to another worker): the call is refused instead, and the worker serves on."""
+    to another worker): the call is refused instead, and the worker serves on. A tensor
+    detached inside grad is a constant to it, and its value travels."""
     x = torch.rand(4)
 
     def through_rpc(a: torch.Tensor) -> torch.Tensor:
         return ag.rpc_sync("worker1", torch.sin, args=(a,)).sum()
 
-    for transform in (torch.func.grad, torch.func.vmap):
+    def jvp(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.func.jvp(through_rpc, (a,), (torch.ones_like(a),))  # type: ignore[no-any-return]
+
+    for transformed, arg in ((torch.func.grad(through_rpc), x), (torch.func.vmap(through_rpc), x[None]),
+                             (jvp, x), (torch.func.grad(torch.func.grad(lambda a: through_rpc(a * a))), x[0])):
         with pytest.raises(TypeError, match=r"inside a torch.func transform .* cannot be sent"):
-            await asyncio.to_thread(transform(through_rpc), x.unsqueeze(0) if transform is torch.func.vmap else x)
+            await asyncio.to_thread(transformed, arg)
     assert torch.equal(await ag.rpc_async("worker1", torch.sin, args=(x,)), torch.sin(x))
     assert torch.allclose(torch.func.grad(lambda a: torch.sin(a).sum())(x), torch.cos(x))
+
+    def detached_through_rpc(a: torch.Tensor) -> torch.Tensor:  # a constant to the transform
+        return (a * ag.rpc_sync("worker1", torch.sin, args=(a.detach(),))).sum()
+
+    for transform in (torch.func.grad, lambda f: torch.func.grad(torch.func.grad(lambda a: f(a) * a))):
+        got = await asyncio.to_thread(transform(detached_through_rpc), x[0] if transform is not torch.func.grad else x)
+        want = transform(lambda a: (a * torch.sin(a.detach())).sum())(x[0] if transform is not torch.func.grad else x)
+        assert torch.allclose(got, want)
 
 
 @pytest.mark.parametrize("rank", [2, 99, -1])
