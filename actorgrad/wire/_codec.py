@@ -22,12 +22,13 @@ every int and string of the payload). The descriptor is one ``bytes`` object::
     bytes themselves (in band: the rest of the descriptor)
 
 The bytes are the tensor's C-order bytes, except for a *strided* tensor: one whose
-elements cover no more memory than they number (a transposed or channels_last tensor,
-an ``expand``), which travels as that memory and its strides, as torch's own RPC sends
-a storage: an expanded tensor stays as small as its storage and keeps stride 0, a
-permuted one keeps its memory format, and the sender copies nothing. A view with
-gaps (a column of a matrix) is compacted to its C-order bytes instead, so no byte
-travels that the tensor does not show.
+elements fill the memory they span without gaps, broadcast (stride 0) dimensions aside
+(a transposed or channels_last tensor, an ``expand``), which travels as that memory
+and its strides, as torch's own RPC sends a storage: an expanded tensor stays as small
+as its storage and keeps stride 0, a permuted one keeps its memory format, and the
+sender copies nothing. A view with gaps (a column of a matrix, also expanded) is
+compacted to its C-order bytes instead, so no byte travels that the tensor does not
+show.
 
 Out of band: the index of a buffer of the frame. The tensor's bytes are written
 straight from its memory and received straight into a freshly allocated tensor; no
@@ -117,17 +118,19 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def _memory_span(tensor: torch.Tensor) -> torch.Tensor | None:
     """The memory a non-contiguous CPU tensor's elements cover, as a 1-D tensor, when
-    it holds no more elements than the tensor (see the module docstring); else None."""
+    they fill it without gaps, broadcast dimensions aside (see the module docstring);
+    else None."""
     if not tensor.is_cpu or tensor.is_conj() or tensor.is_neg():
         return None
-    numel = tensor.numel()
-    if numel == 0:
+    if tensor.numel() == 0:
         return None
-    span = 1
+    span = shown = 1  # over the dimensions that are not broadcast (stride 0)
     for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
-        span += (size - 1) * stride
-    if span > numel:
-        return None
+        if stride:
+            span += (size - 1) * stride
+            shown *= size
+    if span != shown:
+        return None  # gaps (or overlaps): compacted instead
     return tensor.detach().as_strided((span,), (1,))
 
 

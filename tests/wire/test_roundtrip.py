@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
@@ -322,16 +323,20 @@ def test_strided_tensors_keep_their_strides(big):
     transposed = _sample(torch.float64, (n, 3), seed=2).t()
     leaf = _sample(torch.float32, (n, 2), seed=3).t().requires_grad_()
     column = _sample(torch.int64, (n, 5), seed=4)[:, 2]  # stride 5: gaps
-    shown = [expanded, channels_last, transposed, leaf, column]
+    secret = _sample(torch.float32, (n, 3), seed=5)
+    secret[:, 2] = 31337.0  # never shown by the expanded view of the first two columns
+    gapped = secret[:, :2].expand(4, n, 2)
+    shown = [expanded, channels_last, transposed, leaf, column, gapped]
     loaded, sent, _ = _roundtrip_payload(shown)
-    stored = row.nbytes + channels_last.nbytes + transposed.nbytes + leaf.nbytes + column.nbytes
+    stored = row.nbytes + channels_last.nbytes + transposed.nbytes + leaf.nbytes + column.nbytes + gapped.nbytes
     assert sent.nbytes < stored + 1024
+    assert b"".join([sent.body, *map(bytes, sent.buffers)]).count(struct.pack("<f", 31337.0)) == 0
     for original, got in zip(shown, loaded, strict=True):
         assert got.shape == original.shape and got.dtype == original.dtype
         assert same_bits(got.detach(), original.detach())
     assert [t.stride() for t in loaded[:4]] == [t.stride() for t in shown[:4]]
     assert loaded[1].is_contiguous(memory_format=torch.channels_last)
-    assert loaded[4].is_contiguous()
+    assert loaded[4].is_contiguous() and loaded[5].is_contiguous()
     assert loaded[3].requires_grad and loaded[3].is_leaf and not loaded[3]._is_view()
     assert loaded[0].untyped_storage().nbytes() == row.nbytes
 
