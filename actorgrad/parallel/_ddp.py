@@ -16,9 +16,10 @@
   written into ``.grad``.
 * ``find_unused_parameters=True``: at forward time the output's autograd graph is
   walked; parameters it does not reach are marked ready up front with the gradient they
-  hold already (an earlier backward, a ``no_sync()`` pass) or zero, and the status
-  all-reduce below tells which parameters no rank used (their ``.grad`` is left alone,
-  as torch does).
+  hold already (an earlier backward, a ``no_sync()`` pass) or zero, and so are, when
+  the local backward ends, those it reached that got no gradient (an output the loss
+  did not use); the status all-reduce below tells which parameters no rank used (their
+  ``.grad`` is left alone, as torch does).
 * A gradient hook that fires for a parameter already marked ready in this backward
   (used outside forward, e.g. in the loss, so the graph walk missed it; or reused across
   reentrant backward passes) cannot be reduced any more: its bucket already went out.
@@ -148,6 +149,7 @@ class DistributedDataParallel(nn.Module):
         self._unused: list[int] = []  # from the last forward (find_unused_parameters)
         self._used_unsynced: set[int] = set()  # got a gradient inside no_sync() since the last sync
         self._unused_now: set[int] = set()  # unused in the backward running now
+        self._used_before: set[int] = set()  # used inside no_sync() before it
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
         ]
@@ -366,12 +368,17 @@ class DistributedDataParallel(nn.Module):
         self._active = True
         for i in self._unused:
             self._claimed[i] = True  # set before the backward thread starts: it sees it
-            grad = self._params[i].grad
-            if grad is None or grad.is_sparse:
-                self._zero_slot(i)
-            else:  # accumulated earlier (no zero_grad, or no_sync()): it counts, as in torch
-                self._fill_slot(i, grad)
+            self._slot_as_is(i)
             self._mark_ready(i)
+
+    def _slot_as_is(self, i: int) -> None:
+        """The slot of a parameter unused in this backward: the gradient it holds
+        already (no zero_grad, or no_sync()), which counts as in torch, or zero."""
+        grad = self._params[i].grad
+        if grad is None or grad.is_sparse:
+            self._zero_slot(i)
+        else:
+            self._fill_slot(i, grad)
 
     def _fill_slot(self, i: int, grad: torch.Tensor) -> None:
         b, offset, n = self._where[i]
@@ -478,11 +485,16 @@ class DistributedDataParallel(nn.Module):
 
     def _launch_rest(self) -> list[int]:
         """Launch every bucket not launched yet, with zeros for the gradients that did
-        not come (the collectives of all ranks stay in step); those parameters."""
+        not come (the collectives of all ranks stay in step); those parameters. With
+        find_unused_parameters they are unused here (the output reached them, the loss
+        did not): their slots hold what they hold already, as the unreached ones'."""
         self._deferred = False
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         for i in missing:
-            self._zero_slot(i)
+            if self.find_unused_parameters:
+                self._slot_as_is(i)
+            else:
+                self._zero_slot(i)
             self._ready[i] = True
             self._buckets[self._where[i][0]].pending -= 1
         self._launch_ready()
@@ -515,7 +527,8 @@ class DistributedDataParallel(nn.Module):
 
     def _begin(self, deferred: bool) -> None:
         self._status_issued = self._buffers_issued = False
-        self._unused_now = set(self._unused) - self._used_unsynced  # no_sync() use counts
+        self._used_before = self._used_unsynced  # no_sync() use counts
+        self._unused_now = set(self._unused) - self._used_before
         self._used_unsynced = set()
         self._deferred = deferred
         self._prepare()
@@ -533,6 +546,8 @@ class DistributedDataParallel(nn.Module):
             # [missing on] per parameter, then the number of ranks whose backward raised.
             late = set(self._late)
             failed = local_error is not None
+            if self.find_unused_parameters and not failed:
+                unused = unused | {i for i in missing if i not in self._used_before}
             status = _status([i not in unused for i in range(n)], [i in late for i in range(n)],
                              [not failed and i in missing for i in range(n)], failed)
             status_done = start_all_reduce(status, C.ReduceOp.SUM, self.group)

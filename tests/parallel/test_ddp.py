@@ -219,6 +219,76 @@ async def test_unused_parameter_on_one_rank_raises_on_every_rank(make_group: Any
         assert "b.weight (on 1 rank(s))" in str(r) and "find_unused_parameters" in str(r), r
 
 
+class WithAux(nn.Module):
+    """Returns (logits, aux): a loss that leaves aux out reaches no aux parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.trunk(x))
+        return self.head(h), self.aux(h)
+
+
+# whether each rank's loss uses the aux output, per step (no zero_grad between them)
+AUX_USES = {"first_step_only": ((True, True), (False, False)), "never": ((False, False), (False, False)),
+            "one_rank_each_step": ((True, False), (False, True))}
+
+
+@pytest.mark.parametrize("no_sync_first", [False, True])
+@pytest.mark.parametrize("scenario", list(AUX_USES))
+async def test_find_unused_leaves_an_output_the_loss_did_not_use_alone(
+        make_group: Any, scenario: str, no_sync_first: bool) -> None:
+    # The forward reaches the aux head, the loss does not: no gradient comes for it. It
+    # counts as unused on that rank, like a parameter the forward did not reach: what its
+    # .grad holds already is reduced, and a .grad no rank added to stays as it was (it
+    # was overwritten with an average of zeros: an accumulated gradient lost, a None made
+    # zero, which weight decay then moved). Oracle: the local accumulated gradients,
+    # averaged over the ranks that have one.
+    group: InProcessGroup = await make_group(2)
+    uses = AUX_USES[scenario]
+
+    def loss_of(out: tuple[torch.Tensor, torch.Tensor], rank: int, step: int) -> torch.Tensor:
+        rows = slice(4 * rank + 2 * step, 4 * rank + 2 * step + 2)
+        logits, aux = out
+        loss = nn.functional.mse_loss(logits, Y[rows])
+        return loss + aux.pow(2).mean() if uses[step][rank] else loss
+
+    def local_grads(rank: int) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        m = WithAux()
+        for step in range(2):
+            loss_of(m(X[4 * rank + 2 * step: 4 * rank + 2 * step + 2]), rank, step).backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    async def body(rank: int) -> dict[str, torch.Tensor | None]:
+        torch.manual_seed(0)
+        model = WithAux()
+        ddp = await DDP.create(model, bucket_cap_mb=1e-4, find_unused_parameters=True)
+        for step in range(2):
+            loss = loss_of(ddp(X[4 * rank + 2 * step: 4 * rank + 2 * step + 2]), rank, step)
+            if step == 0 and no_sync_first:
+                with ddp.no_sync():
+                    await ddp.backward(loss)
+            else:
+                await ddp.backward(loss)
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    results = await run_all(group, body)
+    local = [local_grads(r) for r in range(2)]
+    for name in results[0]:
+        parts = [g[name] for g in local]
+        if all(p is None for p in parts):
+            assert results[0][name] is None and results[1][name] is None, name
+            continue
+        want = sum(p for p in parts if p is not None) / 2
+        for r in range(2):
+            assert_close(results[r][name], want, msg=f"rank {r} {name}")
+
+
 @pytest.mark.parametrize("find_unused", [False, True])
 async def test_local_backward_error_on_one_rank_fails_every_rank_and_keeps_them_in_step(
         make_group: Any, find_unused: bool) -> None:
