@@ -124,6 +124,15 @@ class DistributedDataParallel(nn.Module):
                     f"{name or 'the module'} ({type(sub).__name__}) makes sparse gradients, which "
                     "this DistributedDataParallel does not average: build it with sparse=False"
                 )
+            if isinstance(sub, nn.SyncBatchNorm) and not torch.distributed.is_initialized():
+                # (it syncs only where torch.distributed has a default process group)
+                raise ValueError(
+                    f"{name or 'the module'} is a SyncBatchNorm, which shares batch statistics "
+                    "through torch.distributed's default process group; none is initialised "
+                    "here, so it would normalise each rank's batch alone: use the plain "
+                    "BatchNorm it converts from (what it would compute), or set up "
+                    "torch.distributed for it"
+                )
         self.module = module
         self.group = group
         self.find_unused_parameters = find_unused_parameters
@@ -183,8 +192,11 @@ class DistributedDataParallel(nn.Module):
             broadcast_buffers: keep buffers (batch-norm statistics) equal to rank 0's.
             device_ids, output_device: as torch's, for a module on one device: that
                 device (or None); the wrapper works where the module's parameters are.
-            gradient_as_bucket_view, static_graph: torch's performance hints; accepted
-                so torch code runs unchanged, and not needed here.
+            gradient_as_bucket_view, static_graph: torch's hints; accepted so torch code
+                runs unchanged, and ignored. What ``static_graph=True`` lets torch do
+                besides is not done here, and says so when met: parameters unused in
+                every step need ``find_unused_parameters=True``, and a parameter used
+                in two reentrant checkpoints needs ``use_reentrant=False``.
 
         Returns:
             The wrapper, after rank 0's parameters and buffers were copied everywhere.

@@ -442,6 +442,10 @@ async def test_sparse_gradients_are_refused_clearly(make_group: Any) -> None:
     async def body(rank: int) -> None:
         with pytest.raises(ValueError, match="sparse=False"):
             await DDP.create(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+        # (SyncBatchNorm trained silently as a per-rank BatchNorm: torch.distributed has
+        # no default group here for it to share statistics through)
+        with pytest.raises(ValueError, match="1 is a SyncBatchNorm.*normalise each rank's batch alone"):
+            await DDP.create(nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))))
         # a sparse gradient from elsewhere (here: a hook) fails the step on every rank
         model = nn.Linear(4, 2)
         ddp = await DDP.create(model)
