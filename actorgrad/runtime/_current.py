@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,6 +36,17 @@ def default() -> Worker | None:
 
 def register(worker: Worker) -> None:
     _live_workers.append(worker)
+
+
+def _forsake_after_fork() -> None:
+    """In a forked child: the workers are the parent's (see Worker.forsake_in_child)."""
+    for worker in _live_workers:
+        worker.forsake_in_child()
+    _live_workers.clear()
+    _default.clear()
+
+
+os.register_at_fork(after_in_child=_forsake_after_fork)
 
 
 def unregister(worker: Worker) -> None:

@@ -16,13 +16,17 @@ within ``_GRACE`` (up to ``max_threads``, as before).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 _STOP = object()
 _JOIN_SECONDS = 2.0  # how long close() waits for threads to finish their last job
@@ -37,6 +41,7 @@ log = logging.getLogger("actorgrad")
 class ThreadPool:
     def __init__(self, loop: asyncio.AbstractEventLoop, max_threads: int, name: str) -> None:
         self._loop = loop
+        self._pid = os.getpid()  # (a function that forks goes on in the child: see _run)
         self._max = max_threads
         self._name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -119,10 +124,14 @@ class ThreadPool:
                 value = ctx.run(fn)
                 deliver = _set_result
             except BaseException as exc:  # delivered to the awaiting coroutine
+                if os.getpid() != self._pid:
+                    _end_forked_child(exc)
                 if isinstance(exc, KeyboardInterrupt):
                     exc.raised_in_pool = True  # type: ignore[attr-defined]  # no Ctrl-C: see raised_in_pool
                 value, deliver = exc, _set_exception
             del job, fn, ctx
+            if os.getpid() != self._pid:
+                _end_forked_child(None)
             self._finished += 1  # a lost update only delays a thread start by _GRACE
             try:
                 call_soon_threadsafe(self._deliver, deliver, future, value)
@@ -171,3 +180,22 @@ def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
             wrapped.__cause__ = exc
             exc = wrapped
         future.set_exception(exc)
+
+
+def _end_forked_child(exc: BaseException | None) -> NoReturn:
+    """A remote function forked, and the child's copy of it ended, on this thread (the
+    child's only one): end the child with the function's exit status. It has no event
+    loop to deliver anything to, and its exit must not run the parent's exit handlers
+    (its copies of the worker's state); waiting for the next job would keep it for good."""
+    code = 0
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    elif exc is not None:
+        traceback.print_exception(exc)
+        code = 1
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)

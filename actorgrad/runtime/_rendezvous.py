@@ -40,6 +40,12 @@ class StoreServer:
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._serve, host, port, limit=_MAX_LINE)
 
+    def filenos(self) -> list[int]:
+        """The descriptors of its sockets (see Worker.forsake_in_child)."""
+        socks = [*(self._server.sockets if self._server is not None else ()),
+                 *(w.get_extra_info("socket") for w in self._clients)]
+        return [sock.fileno() for sock in socks if sock is not None]
+
     async def close(self, linger: float = 0.0) -> None:
         """Stop serving. ``linger``: first wait up to that long for the clients to hang
         up (after a start-up error every worker can see, so that they read their last
@@ -164,6 +170,10 @@ class TcpStore:
         items: dict[str, str] = reply["items"]
         return items
 
+    def filenos(self) -> list[int]:
+        sock = self._writer.get_extra_info("socket") if self._writer is not None else None
+        return [sock.fileno()] if sock is not None else []
+
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -175,6 +185,9 @@ class FileStore:
     def __init__(self, path: str) -> None:
         self.path = path
         self._file: tuple[int, int] | None = None  # (device, inode) of the file we wrote to
+
+    def filenos(self) -> list[int]:
+        return []  # (a file opened per request: none held)
 
     async def connect(self, deadline: float) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # noqa: ASYNC240 - one tiny call at start-up
@@ -244,6 +257,9 @@ class TorchAgentStore:
 
     def _key(self, key: str) -> str:
         return f"actorgrad/attempt_{self._attempt}/{key}"
+
+    def filenos(self) -> list[int]:
+        return []  # (torch's client: its socket is torch's to mind)
 
     async def connect(self, deadline: float) -> None:
         import datetime

@@ -489,6 +489,30 @@ class Worker:
         if not waiter.done():
             waiter.set_result(proto)
 
+    def forsake_in_child(self) -> None:
+        """In a process forked from this worker's (``os.fork``, multiprocessing's fork
+        start method): the worker is the parent's. Its sockets, and the event loop's
+        epoll instance, are shared with the parent: a child that ran the loop (the
+        cleanup of ``sys.exit``) read the parent's messages and unregistered its
+        sockets from that epoll, so the parent's peers went silent. Each socket's
+        descriptor now refers to /dev/null here: the child reads nothing of the
+        parent's, and the parent's registrations stay. The worker is closed here."""
+        self.closed = True
+        fds = [_fileno(proto.transport) for proto in (*self._connections, *self.peers.values())]
+        for server in (self._server, self._local_server):
+            fds += [sock.fileno() for sock in (server.sockets if server is not None else ())]
+        if self._store_server is not None:
+            fds += self._store_server.filenos()
+        fds += self._store.filenos() if self._store is not None else []
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for fd in fds:
+                if fd is not None and fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.dup2(null, fd)
+        finally:
+            os.close(null)
+
     def keep_hot(self) -> None:
         """Something was sent or received: keep the loop polling for a short while.
 
@@ -1120,3 +1144,8 @@ def _entry_name(entry: str) -> str:
 
 
 __all__ = ["AuthenticationError", "Worker", "describe_error", "error_payload"]
+
+
+def _fileno(transport: Any) -> int | None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock.fileno() if sock is not None else None

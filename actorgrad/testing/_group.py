@@ -333,6 +333,8 @@ async def _started_by(server: _forkserver.ForkServer, args: dict[int, list[str]]
 
 
 _unfinished: set[LocalGroup] = set()  # started, not shut down
+# (a process forked from this one does not own them: its exit must not end them)
+os.register_at_fork(after_in_child=_unfinished.clear)
 
 
 @atexit.register
