@@ -297,8 +297,8 @@ class Connection:
             self._decoder.lift_restriction()
             assert self.peer_rank is not None
             return Established(self.peer_name, self.peer_rank)
-        if isinstance(msg, Goodbye):
-            raise AuthenticationError(f"peer closed the handshake: {msg.reason}")
+        if isinstance(msg, Goodbye):  # (a worker leaving a group that failed to form: no key problem)
+            raise ProtocolError(f"peer closed the handshake: {msg.reason}")
         raise ProtocolError(f"{type(msg).__name__} before the handshake completed")
 
     # -- output ------------------------------------------------------------------
