@@ -219,10 +219,31 @@ class DistributedDataParallel(nn.Module):
             # at once (naming this) instead of at their timeout, and stay in step
             refuse_next(group, "DistributedDataParallel.create", exc)
             raise
+        await ddp._check_same_model()
         # as torch: buffers too, unless broadcast_buffers=False keeps them per rank
         tensors = list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else [])
         await ddp._broadcast(tensors)
         return ddp
+
+    async def _check_same_model(self) -> None:
+        """Every member wraps the same model, as torch checks at construction: another
+        shape failed in the broadcast without naming the model, and another set of
+        parameters that require grad failed in the first backward's all-reduce."""
+        mine = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                for n, p in self.module.named_parameters()]
+        if self.broadcast_buffers:
+            mine += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
+        ranks = self.group.ranks if self.group is not None else list(range(self._worker.world_size))
+        seen: list[Any] = [None] * len(ranks)
+        await C.all_gather_object(seen, mine, self.group)
+        if any(other is None for other in seen):
+            return  # not a member (warned): nothing was gathered
+        for rank, other in zip(ranks[1:], seen[1:], strict=True):
+            if other != seen[0]:
+                raise ValueError(
+                    "DistributedDataParallel.create: the module differs between ranks, so its "
+                    f"replicas cannot be kept equal: {_difference(seen[0], ranks[0], other, rank)}"
+                )
 
     # -- construction -------------------------------------------------------------------
     def _make_buckets(self, cap: int) -> list[_Bucket]:
@@ -671,6 +692,24 @@ class DistributedDataParallel(nn.Module):
     def bucket_sizes(self) -> list[int]:
         """Number of parameters in each bucket, in bucket order."""
         return [len(b.params) for b in self._buckets]
+
+
+def _difference(first: list[Any], rank0: int, other: list[Any], rank: int) -> str:
+    """The first difference between two ranks' descriptions of their module."""
+    mine = {(kind, name): rest for kind, name, *rest in first}
+    theirs = {(kind, name): rest for kind, name, *rest in other}
+    def said(kind: str, rest: list[Any] | None, on: int) -> str:
+        if rest is None:
+            return f"none on rank {on}"
+        shape, dtype, requires_grad = rest
+        grad = "" if kind == "buffer" else (", requires grad" if requires_grad else ", frozen")
+        return f"{tuple(shape)} {dtype}{grad} on rank {on}"
+
+    for key in [*mine, *(k for k in theirs if k not in mine)]:
+        if mine.get(key) != theirs.get(key):
+            kind, name = key
+            return f"{kind} {name!r}: {said(kind, mine.get(key), rank0)}, {said(kind, theirs.get(key), rank)}"
+    return f"the order of parameters differs between rank {rank0} and rank {rank}"
 
 
 def _check_devices(module: nn.Module, device_ids: list[Any] | None, output_device: Any) -> None:

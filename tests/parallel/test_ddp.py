@@ -457,6 +457,28 @@ async def test_sparse_gradients_are_refused_clearly(make_group: Any) -> None:
         assert isinstance(r, RuntimeError) and "sparse" in str(r), r
 
 
+@pytest.mark.parametrize("differs", ["frozen", "shape", "extra"])
+async def test_a_module_that_differs_between_ranks_is_refused_by_name(make_group: Any, differs: str) -> None:
+    # as torch checks at construction (another shape failed in the broadcast without
+    # naming the model; another frozen set in the first backward's all-reduce)
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> None:
+        model = nn.Sequential(nn.Linear(4, 3 + (differs == "shape" and rank == 1)), nn.Linear(3, 2))
+        if differs == "frozen" and rank == 1:
+            model[0].bias.requires_grad_(False)
+        if differs == "extra" and rank == 0:
+            model.register_buffer("steps", torch.zeros(1))
+        await DDP.create(model)
+
+    said = {"frozen": "parameter '0.bias': (3,) torch.float32, requires grad on rank 0, (3,) torch.float32, frozen on rank 1",
+            "shape": "parameter '0.weight': (3, 4) torch.float32, requires grad on rank 0, (4, 4) torch.float32, requires grad on rank 1",
+            "extra": "buffer 'steps': (1,) torch.float32 on rank 0, none on rank 1"}[differs]
+    for r in await run_settled(group, body):
+        assert isinstance(r, ValueError) and "the module differs between ranks" in str(r), r
+        assert said in str(r), r
+
+
 async def test_constructor_needs_create() -> None:
     with pytest.raises(TypeError, match="create"):
         DDP(mlp(0))
