@@ -102,6 +102,31 @@ class Branchy(nn.Module):
         return self.b(h) if use_b else self.a(h)
 
 
+def assert_averaged(results: list[dict[str, torch.Tensor | None]],
+                    local: list[dict[str, torch.Tensor | None]]) -> None:
+    """Each rank's gradients are the average of the ranks' local ones (a rank without
+    one counts as zero); None where no rank has one, as torch leaves it."""
+    for name in results[0]:
+        parts = [g[name] for g in local]
+        if all(p is None for p in parts):
+            assert all(r[name] is None for r in results), name
+            continue
+        want = sum(p for p in parts if p is not None) / len(local)
+        for r, got in enumerate(results):
+            assert_close(got[name], want, msg=f"rank {r} {name}")
+
+
+async def two_backwards(ddp: DDP, loss_at: Any, first_unsynced: bool) -> None:
+    """Two steps' backwards into the same .grad, the first inside no_sync() if asked."""
+    for step in range(2):
+        loss = loss_at(step)
+        if step == 0 and first_unsynced:
+            with ddp.no_sync():
+                await ddp.backward(loss)
+        else:
+            await ddp.backward(loss)
+
+
 @pytest.mark.parametrize("b_users", [(), (0,)], ids=["nobody", "rank0"])
 async def test_find_unused_parameters(make_group: Any, b_users: tuple[int, ...]) -> None:
     group: InProcessGroup = await make_group(2)
@@ -123,16 +148,7 @@ async def test_find_unused_parameters(make_group: Any, b_users: tuple[int, ...])
             await ddp.backward(nn.functional.mse_loss(ddp(X[shard], rank in b_users), Y[shard]))
         return {n: p.grad for n, p in model.named_parameters()}
 
-    results = await run_all(group, body)
-    local = [local_grads(r) for r in range(2)]
-    for name in results[0]:
-        parts = [g[name] for g in local]
-        if all(p is None for p in parts):
-            assert results[0][name] is None and results[1][name] is None, name
-            continue
-        want = sum(p for p in parts if p is not None) / 2
-        for r in range(2):
-            assert_close(results[r][name], want, msg=name)
+    assert_averaged(await run_all(group, body), [local_grads(r) for r in range(2)])
 
 
 # (use_b per rank in step 0, in step 1, whether step 0 runs inside no_sync())
@@ -166,23 +182,13 @@ async def test_find_unused_accumulates_like_torch(make_group: Any, scenario: str
         torch.manual_seed(0)
         model = Branchy()
         ddp = await DDP.create(model, bucket_cap_mb=1e-4, find_unused_parameters=True)
-        for step in range(2):
-            loss = nn.functional.mse_loss(ddp(X[shard(rank, step)], uses[step][rank]), Y[shard(rank, step)])
-            if step == 0 and first_unsynced:
-                with ddp.no_sync():
-                    await ddp.backward(loss)
-            else:
-                await ddp.backward(loss)
+        await two_backwards(ddp, lambda step: nn.functional.mse_loss(
+            ddp(X[shard(rank, step)], uses[step][rank]), Y[shard(rank, step)]), first_unsynced)
         return {n: p.grad for n, p in model.named_parameters()}
 
-    results = await run_all(group, body)
     local = [local_grads(r) for r in range(2)]
-    for name in results[0]:
-        parts = [g[name] for g in local]
-        assert any(p is not None for p in parts), name  # every parameter was used somewhere
-        want = sum(p for p in parts if p is not None) / 2
-        for r in range(2):
-            assert_close(results[r][name], want, msg=f"rank {r} {name}")
+    assert all(any(g[name] is not None for g in local) for name in local[0])  # each used somewhere
+    assert_averaged(await run_all(group, body), local)
 
 
 async def test_unused_parameter_without_the_flag_raises_instead_of_hanging(make_group: Any) -> None:
@@ -268,25 +274,11 @@ async def test_find_unused_leaves_an_output_the_loss_did_not_use_alone(
         torch.manual_seed(0)
         model = WithAux()
         ddp = await DDP.create(model, bucket_cap_mb=1e-4, find_unused_parameters=True)
-        for step in range(2):
-            loss = loss_of(ddp(X[4 * rank + 2 * step: 4 * rank + 2 * step + 2]), rank, step)
-            if step == 0 and no_sync_first:
-                with ddp.no_sync():
-                    await ddp.backward(loss)
-            else:
-                await ddp.backward(loss)
+        await two_backwards(ddp, lambda step: loss_of(ddp(X[4 * rank + 2 * step: 4 * rank + 2 * step + 2]), rank, step),
+                            no_sync_first)
         return {n: p.grad for n, p in model.named_parameters()}
 
-    results = await run_all(group, body)
-    local = [local_grads(r) for r in range(2)]
-    for name in results[0]:
-        parts = [g[name] for g in local]
-        if all(p is None for p in parts):
-            assert results[0][name] is None and results[1][name] is None, name
-            continue
-        want = sum(p for p in parts if p is not None) / 2
-        for r in range(2):
-            assert_close(results[r][name], want, msg=f"rank {r} {name}")
+    assert_averaged(await run_all(group, body), [local_grads(r) for r in range(2)])
 
 
 @pytest.mark.parametrize("find_unused", [False, True])
