@@ -110,6 +110,10 @@ def describe_error(exc: BaseException) -> tuple[str, str, str]:
     return name, message, tb
 
 
+# errors a worker passes on to its caller as they are (see Worker._remote_error)
+_PASSED_ON = (WorkerLost, RpcTimeout, RemoteError)
+
+
 def error_payload(exc: BaseException) -> Payload:
     """Describe ``exc`` for the caller: type, message, traceback, and the exception.
 
@@ -125,7 +129,13 @@ def error_payload(exc: BaseException) -> Payload:
             bare = RemoteError(exc.worker, exc.remote_type, exc.remote_message, exc.remote_traceback)
             with contextlib.suppress(Exception):
                 pickled = cloudpickle.dumps(bare)
-    return Payload.dump((*describe_error(exc), pickled))
+    name, message, tb = describe_error(exc)
+    if isinstance(exc, _PASSED_ON) and pickled is not None:
+        # it travels whole (its cause, notes and remote traceback in it): the traceback
+        # that goes with it is only where this worker passed it on, or every worker of a
+        # chain would repeat all it got (the text doubled at each hop)
+        tb = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+    return Payload.dump((name, message, tb, pickled))
 
 
 def _runs_in(task: asyncio.Task[Any] | None) -> bool:
@@ -810,11 +820,11 @@ class Worker:
                 exc = pickle.loads(pickled)
             except Exception:
                 exc = None  # e.g. an exception class whose __init__ needs other arguments
-            if isinstance(exc, (WorkerLost, RpcTimeout, RemoteError)):
+            if isinstance(exc, _PASSED_ON):
                 # a peer of the callee died or timed out, or a function it called raised:
                 # the caller sees the same error it would have seen calling that peer
                 # itself (the original type, worker and cause), and learns who passed it on
-                exc.add_note(f"reported by {peer.name}; remote traceback:\n{tb}")
+                exc.add_note(f"reported by {peer.name}, passed on at:\n{tb.rstrip()}")
                 return exc
             if isinstance(exc, BaseException):
                 error.__cause__ = exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -302,6 +303,27 @@ async def test_a_nested_remote_error_reaches_the_caller_as_the_original(group3, 
         assert error.remote_type == "ValueError" and "deep 31" in str(error)
         assert isinstance(error.__cause__, kind) and str(error.__cause__) == "deep 31"
     assert any("reported by worker1" in note for note in error.__notes__)
+
+
+def raise_at_the_end_of(chain: list[str]) -> None:
+    if chain:
+        ag.rpc_sync(chain[0], raise_at_the_end_of, args=(chain[1:],))
+    else:
+        raise ValueError("the end of the chain")
+
+
+async def test_an_error_passed_along_a_chain_grows_a_hop_at_a_time(make_process_group):
+    """Each worker that passes the error on adds where it did, once: the text doubled at
+    each hop (every worker repeated the whole traceback it had got, notes included)."""
+    await make_process_group(4)
+    with pytest.raises(ag.RemoteError) as info:
+        await ag.rpc_async("worker1", raise_at_the_end_of, args=(["worker2", "worker3"],), timeout=30)
+    text = "".join(traceback.format_exception(info.value))
+    assert info.value.worker == "worker3" and str(info.value.__cause__) == "the end of the chain"
+    assert text.count('raise ValueError("the end of the chain")') == 1, text
+    assert [note.split("\n")[0] for note in info.value.__notes__] == [
+        "reported by worker2, passed on at:", "reported by worker1, passed on at:"]
+    assert all(note.count("in raise_at_the_end_of") == 1 for note in info.value.__notes__)
 
 
 # --------------------------------------------------------------------------------------
