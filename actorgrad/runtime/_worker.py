@@ -76,6 +76,7 @@ _sched_yield = getattr(os, "sched_yield", lambda: None)  # not on every platform
 # While an answer is awaited, poll up to this many times RpcOptions.spin_us (keep_hot).
 _WAIT_SPIN_FACTOR = 10
 
+_TRACE_EXPORT_UNGRACEFUL = 10.0  # most a worker stopping at once spends writing the trace
 _STORE_LINGER = 2.0  # most a rendezvous host waits at shutdown for workers still in it
 _STORE_DONE_LINGER = 10.0  # once the group formed: the most a client of the store keeps it
 
@@ -980,20 +981,49 @@ class Worker:
 
     # -- observability --------------------------------------------------------------
     async def export_trace(self, path: str) -> int:
-        """Merge every reachable worker's events into one Chrome-trace JSON at ``path``."""
-        with open(path, "w") as f:  # noqa: ASYNC230 - opened first: a bad path fails at once
+        """Merge every reachable worker's events into one Chrome-trace JSON at ``path``.
+
+        Written beside it and renamed when complete: an export cut short leaves no
+        half-written file. Workers that did not answer are named in a warning and in
+        the file's ``otherData``."""
+        target = os.path.abspath(path)  # noqa: ASYNC240 - no I/O: a string operation
+        partial = f"{target}.{os.getpid()}.partial"
+        f = open(partial, "w")  # noqa: ASYNC230, SIM115 - opened first: a bad path fails at once
+        writing = done = False
+        try:
             events = self.tracer.snapshot()
-            replies = [self.call(rank, "trace.collect", Payload.dump(None)) for rank in list(self.peers)]
-            for reply in await asyncio.gather(*replies, return_exceptions=True):
+            ranks = list(self.peers)
+            replies = [self.call(rank, "trace.collect", Payload.dump(None)) for rank in ranks]
+            answered = {self.rank}
+            for rank, reply in zip(ranks, await asyncio.gather(*replies, return_exceptions=True), strict=True):
                 if not isinstance(reply, BaseException):
                     events.extend(reply.load())
+                    answered.add(rank)
+            missing = [info.name for rank, info in sorted(self.infos.items()) if rank not in answered]
+            if missing:
+                log.warning("%s: the trace at %s has no events of %s (gone, or did not answer)",
+                            self.name, path, ", ".join(missing))
 
             def write() -> int:  # on the pool: a million events take seconds to arrange
                 arranged = in_lanes(events)
-                json.dump({"traceEvents": arranged, "displayTimeUnit": "ms"}, f)
+                document: dict[str, Any] = {"traceEvents": arranged, "displayTimeUnit": "ms"}
+                if missing:
+                    document["otherData"] = {"workers_missing": missing}
+                with f:
+                    json.dump(document, f)
                 return len(arranged)
 
-            return await self.run_blocking(write)
+            writing = True
+            count = await self.run_blocking(write)
+            os.replace(partial, target)
+            done = True
+            return count
+        finally:
+            if not done:
+                if not writing:
+                    f.close()  # (else the job closes it: it may still be writing)
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
 
     # -- shutdown -------------------------------------------------------------------
     def _on_peer_done(self, peer: PeerProtocol, payload: Payload) -> None:
@@ -1020,12 +1050,19 @@ class Worker:
         deadline = time.monotonic() + timeout if timeout else math.inf
         quiet = self.options.shutdown_timeout or math.inf  # silence that ends the wait
         trace_path = os.environ.get("ACTORGRAD_TRACE")
-        if graceful and trace_path and self.rank == 0:
-            try:  # the others wait for our "done", so they can still be asked for events
-                async with asyncio.timeout(max(1.0, min(timeout or 60.0, quiet) / 2)):
+        if trace_path and self.rank == 0:
+            # (actorgrad launch --trace). Also when the program failed or did not shut
+            # down (ag.run ends its worker that way): that is the run one wants to see.
+            # Gracefully the others wait for our "done", so they can still be asked for
+            # events; writing takes what it takes, within half of a timeout if given.
+            budget = timeout / 2 if timeout else (None if graceful else _TRACE_EXPORT_UNGRACEFUL)
+            try:
+                async with asyncio.timeout(budget):
                     await self.export_trace(trace_path)
             except Exception as exc:
-                log.warning("%s: could not write the trace to %s: %s", self.name, trace_path, exc)
+                why = f"it took longer than {budget:g}s" if isinstance(exc, TimeoutError) and budget else str(exc)
+                log.warning("%s: could not write the trace to %s: %s", self.name, trace_path,
+                            why or type(exc).__name__)
         if graceful:
             gc.collect()  # dropped RRefs announce themselves before we leave
             await asyncio.sleep(0)

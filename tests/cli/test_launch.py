@@ -262,6 +262,21 @@ def test_hangup_and_termination_stop_all_ranks(tmp_path: Path, signum: int) -> N
         _assert_all_dead(pids)
 
 
+@pytest.mark.parametrize("ending", ["ok", "fail", "no-shutdown"])
+def test_trace_is_written_whole_however_the_run_ends(tmp_path: Path, ending: str) -> None:
+    # (a run that failed, or whose script never shut down, wrote no trace: only a
+    # graceful shutdown exported it, and the run one wants to look at is the failed one)
+    target = tmp_path / "trace.json"
+    code, _out, err = _run(["launch", "--nproc", "2", "--trace", str(target), str(SCRIPTS / "traced.py"), ending],
+                           timeout=60)
+    assert code == (1 if ending == "fail" else 0), err
+    events = json.loads(target.read_text())["traceEvents"]
+    calls = [e for e in events if e["pid"] == 0 and e["name"] == "call rpc.call"]
+    served = [e for e in events if e["pid"] == 1 and e["name"] == "serve rpc.call"]
+    assert len(calls) >= 3 and len(served) >= 3, (len(calls), len(served))
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]  # nothing half-written beside it
+
+
 def test_trace_into_a_missing_directory_exits_2_before_any_rank_runs(tmp_path: Path) -> None:
     target = tmp_path / "missing" / "trace.json"
     code, out, err = _run(["launch", "--nproc", "2", "--trace", str(target), str(SCRIPTS / "echo_argv.py")])

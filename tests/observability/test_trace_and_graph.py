@@ -300,6 +300,33 @@ async def test_one_backward_pass_counts_once_while_it_runs(group2) -> None:  # t
     assert _SEEN_PASSES == [1]
 
 
+async def test_an_export_names_the_workers_missing_and_never_leaves_half_a_file(  # type: ignore[no-untyped-def]
+        make_process_group, tmp_path, monkeypatch, caplog) -> None:
+    # (a worker that did not answer was left out silently, so a partial trace looked
+    # whole; an export cut short left a truncated file that no JSON reader takes)
+    group = await make_process_group(3)
+    with ag.trace():
+        await ag.rpc_async("worker1", torch.add, args=(torch.ones(1), 1))
+        await ag.rpc_async("worker2", torch.add, args=(torch.ones(1), 2))
+    group.kill(2)
+    path = tmp_path / "t.json"
+    await ag.export_trace(str(path))
+    document = json.loads(path.read_text())
+    assert document["otherData"] == {"workers_missing": ["worker2"]}
+    assert {e["pid"] for e in document["traceEvents"]} == {0, 1}
+    assert "has no events of worker2" in caplog.text
+
+    from actorgrad.runtime import _worker
+
+    def broken(events):  # type: ignore[no-untyped-def]
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_worker, "in_lanes", broken)
+    with pytest.raises(OSError, match="disk full"):
+        await ag.export_trace(str(tmp_path / "u.json"))
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
 def test_a_full_trace_says_how_many_events_it_dropped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from actorgrad.runtime import _trace
 
