@@ -72,7 +72,7 @@ class RpcOptions:
     """
 
     rpc_timeout: float = 60.0
-    auth_key: bytes | str | None = None
+    auth_key: bytes | str | None = field(default=None, repr=False)  # (a secret: not printed)
     listen_host: str = "127.0.0.1"
     advertise_host: str | None = None
     listen_port: int = 0
@@ -123,7 +123,8 @@ class RpcOptions:
         ):
             value = getattr(self, name)
             if not isinstance(value, kinds):
-                raise TypeError(f"RpcOptions.{name} must be {what}, got {type(value).__name__} {value!r:.40}")
+                shown = "" if name == "auth_key" else f" {value!r:.40}"  # (a key is not echoed)
+                raise TypeError(f"RpcOptions.{name} must be {what}, got {type(value).__name__}{shown}")
         for name in ("trace", "inline_functions", "local_sockets"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)):  # ("no" is true)

@@ -409,6 +409,14 @@ def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, na
     assert ag.RpcOptions(trace=np.bool_(False), local_sockets=0, auth_key=bytearray(b"k")).auth_key == b"k"
 
 
+def test_the_auth_key_is_never_printed():
+    secret = "a-secret-of-the-group"
+    assert secret not in repr(ag.RpcOptions(auth_key=secret)) and secret not in str(ag.RpcOptions(auth_key=secret))
+    with pytest.raises(TypeError, match="auth_key must be bytes") as info:
+        ag.RpcOptions(auth_key=[secret])  # type: ignore[arg-type]
+    assert secret not in str(info.value)
+
+
 async def test_unsupported_init_method():
     with pytest.raises(ValueError):
         await ag.init_rpc("bad", rank=0, world_size=1, init_method="udp://127.0.0.1:1")
