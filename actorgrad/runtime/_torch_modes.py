@@ -67,6 +67,21 @@ def _same(stack: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
     return len(stack) == len(other) and all(a is b for a, b in zip(stack, other, strict=True))
 
 
+def _set_stack(wanted: tuple[Any, ...], depth: Any, pop: Any, push: Any) -> None:
+    """The mode stack that ``depth``/``pop``/``push`` reach holds ``wanted`` from now on."""
+    if _same(wanted, tuple(_stack_now(depth))):
+        return
+    for _ in range(depth()):
+        pop()
+    for mode in wanted:
+        push(mode)
+
+
+def _stack_now(depth: Any) -> list[Any]:
+    at = torch._C._get_function_stack_at if depth is _function_modes else torch._C._get_dispatch_stack_at
+    return [at(i) for i in range(depth())]
+
+
 def _swap_stack(stack: contextlib.ExitStack, wanted: tuple[Any, ...], depth: Any, pop: Any, push: Any) -> None:
     """Within ``stack``: the mode stack that ``depth``/``pop``/``push`` reach holds
     ``wanted``; whatever it holds at the exit is replaced by what it held before."""
@@ -111,15 +126,19 @@ def as_a_fresh_thread() -> contextlib.AbstractContextManager[None]:
 
 
 class InOwnModes:
-    """``await InOwnModes(coro)``: ``coro`` awaited with its own grad, inference and
-    autocast modes at every step (see the module docstring). Cheap when nobody changed
-    any: a few C calls a step."""
+    """``await InOwnModes(coro)``: ``coro`` awaited with its own torch modes at every
+    step (see the module docstring), and the loop's given back after each: what a
+    step leaves set (a ``torch.no_grad()`` it waits in) is the coroutine's, not the
+    next task's. Cheap when nobody changed any: a few C calls a step."""
 
-    __slots__ = ("_coro", "_modes")
+    __slots__ = ("_coro", "_modes", "_held")
 
     def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._coro = coro
         self._modes = _FRESH
+        # Inference mode has no setter, only a guard that restores all it saw when it
+        # goes: one made to give the loop back its modes, kept until the next step
+        self._held: Any = None
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self  # (a generator by its methods)
@@ -137,19 +156,46 @@ class InOwnModes:
         return self._step(self._coro.throw, *exc)
 
     def close(self) -> None:
+        self._held = None
         self._coro.close()
 
     def _step(self, step: Any, *args: Any) -> Any:
-        # (after a step, the modes it left are the coroutine's: _FRESH itself when they
-        # are a fresh thread's, so the common case compares by identity)
-        mine = self._modes
-        if mine is _FRESH and fresh_modes():
-            try:
+        if self._modes is _FRESH and self._held is None and fresh_modes():
+            try:  # the common case: nobody set anything
                 return step(*args)
             finally:
-                self._modes = _FRESH if fresh_modes() else _modes()
-        with _in_modes(mine):
-            try:
-                return step(*args)
-            finally:
-                self._modes = _FRESH if fresh_modes() else _modes()
+                if not fresh_modes():
+                    self._modes = _modes()
+                    _give_back(self, _FRESH)
+        loop_modes = _modes()
+        self._held = None  # (undoes what the last give-back did to inference mode)
+        try:
+            with _in_modes(self._modes):
+                try:
+                    return step(*args)
+                finally:
+                    self._modes = _modes()
+        finally:
+            _give_back(self, loop_modes)
+
+
+def _give_back(coroutine: InOwnModes, loop_modes: Modes) -> None:
+    """After a step of ``coroutine``: this thread's modes are the loop's again, set by
+    value (whatever the step left open: a ``torch.no_grad()`` it waits in)."""
+    if _modes() == loop_modes:
+        return
+    grad, inference, autocasts, functions, dispatches = loop_modes
+    if _is_inference_mode_enabled() != inference:
+        # inference mode has no setter, only a guard that restores all it saw when it
+        # goes: kept until the coroutine's next step
+        coroutine._held = torch._C._InferenceMode(inference)
+    _set_stack(functions, _function_modes, torch._C._pop_torch_function_stack,
+               torch._C._push_on_torch_function_stack)
+    _set_stack(dispatches, _dispatch_modes, _pop_dispatch_mode, _push_dispatch_mode)
+    torch._C._set_grad_enabled(grad)
+    now, wanted = dict(_autocasts()), dict(autocasts)
+    for device in now.keys() | wanted.keys():
+        if now.get(device) != wanted.get(device):
+            torch.set_autocast_enabled(device, device in wanted)
+            if device in wanted:
+                torch.set_autocast_dtype(device, wanted[device])

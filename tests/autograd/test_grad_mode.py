@@ -146,3 +146,30 @@ async def test_a_remote_coroutine_runs_in_its_own_modes(make_process_group, mode
     assert_grads(grads, [(x, lx.grad)])
     assert "meta" not in empty
     assert await own == [False, False, True, False, "cpu"]
+
+
+async def waiting_in_modes_here(seconds: float) -> list[object]:
+    with torch.no_grad(), torch.inference_mode(), torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16):
+        await asyncio.sleep(seconds)
+        return [torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.empty(1).device.type,
+                torch.is_autocast_enabled("cpu")]
+
+
+def call_worker0_back(seconds: float) -> list[object]:
+    return ag.rpc_sync("worker0", waiting_in_modes_here, args=(seconds,), timeout=30)
+
+
+async def test_a_remote_coroutine_leaves_its_modes_to_itself(make_process_group):
+    # worker1 calls back into this worker's async def, which waits inside no_grad,
+    # inference_mode, a meta device and autocast: this program's own coroutine ran in
+    # them meanwhile (its w * 2 was not recorded, torch.empty landed on meta)
+    await make_process_group(2)
+    back = asyncio.ensure_future(ag.rpc_async("worker1", call_worker0_back, args=(0.6,), timeout=30))
+    await asyncio.sleep(0.3)
+    w = torch.ones(2, requires_grad=True)
+    seen = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.empty(1).device.type,
+            torch.is_autocast_enabled("cpu"), (w * 2).requires_grad]
+    assert not back.done()
+    assert seen == [True, False, "cpu", False, True]
+    assert await back == [False, True, "meta", True]  # and it kept its own across its await
+    assert [torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.empty(1).device.type] == [True, False, "cpu"]
