@@ -88,6 +88,7 @@ _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() 
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _batched = torch._C._functorch.is_batchedtensor
+_functional = torch._C._functorch.is_functionaltensor  # (functionalize: its value may lag its mutations)
 _unwrapped = torch._C._functorch.get_unwrapped
 _transforms_active = torch._C._are_functorch_transforms_active
 _JVP = torch._C._functorch.TransformType.Jvp
@@ -263,10 +264,10 @@ def _transform_constant(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor under a tensor of a torch.func transform, when the transform
     treats it as a constant (detached inside grad: its value is all there is to send);
     refused otherwise, since the transform cannot follow it to another worker (grad
-    gave zeros, vmap an error)."""
+    gave zeros, vmap an error, functionalize the value before its in-place changes)."""
     forward = forward_transform_active() or sending_for_forward_transform.get()
     while _functorch_wrapped(tensor):
-        if forward or tensor.requires_grad or _batched(tensor):
+        if forward or tensor.requires_grad or _batched(tensor) or _functional(tensor):
             raise TypeError(
                 "a tensor inside a torch.func transform (grad, vmap, jvp...) cannot be sent: "
                 "the transform cannot follow it to another worker, so its result would be "

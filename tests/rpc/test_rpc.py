@@ -603,8 +603,13 @@ async def test_a_tensor_inside_a_torch_func_transform_is_refused(group2):
     def jvp(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.func.jvp(through_rpc, (a,), (torch.ones_like(a),))  # type: ignore[no-any-return]
 
+    def mutated_through_rpc(a: torch.Tensor) -> torch.Tensor:  # (sent its value before the add_)
+        a.view(-1).add_(10)
+        return ag.rpc_sync("worker1", torch.sin, args=(a,))
+
     for transformed, arg in ((torch.func.grad(through_rpc), x), (torch.func.vmap(through_rpc), x[None]),
-                             (jvp, x), (torch.func.grad(torch.func.grad(lambda a: through_rpc(a * a))), x[0])):
+                             (jvp, x), (torch.func.grad(torch.func.grad(lambda a: through_rpc(a * a))), x[0]),
+                             (torch.func.functionalize(mutated_through_rpc), x.clone())):
         with pytest.raises(TypeError, match=r"inside a torch.func transform .* cannot be sent"):
             await asyncio.to_thread(transformed, arg)
     assert torch.equal(await ag.rpc_async("worker1", torch.sin, args=(x,)), torch.sin(x))
