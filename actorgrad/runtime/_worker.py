@@ -890,7 +890,9 @@ class Worker:
             future.peer.send(Cancel(request_id=future.request_id))
 
     def _call_expired(self, future: CallFuture, limit: float) -> None:
-        future.set_exception(RpcTimeout(f"call to {future.peer.name} timed out after {limit}s"))
+        future.set_exception(RpcTimeout(
+            f"call to {future.peer.name} timed out after {limit}s (the limit is the call's "
+            "timeout=, else RpcOptions.rpc_timeout; 0 waits as long as it takes)"))
         self._call_cancelled(future)
 
     def tell(self, to: PeerRef, target: str, payload: Payload) -> None:
