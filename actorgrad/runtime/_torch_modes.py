@@ -85,17 +85,9 @@ def _stack_now(depth: Any) -> list[Any]:
 def _swap_stack(stack: contextlib.ExitStack, wanted: tuple[Any, ...], depth: Any, pop: Any, push: Any) -> None:
     """Within ``stack``: the mode stack that ``depth``/``pop``/``push`` reach holds
     ``wanted``; whatever it holds at the exit is replaced by what it held before."""
-    held = [pop() for _ in range(depth())]
-
-    def restore() -> None:
-        for _ in range(depth()):
-            pop()
-        for mode in reversed(held):
-            push(mode)
-
-    stack.callback(restore)
-    for mode in wanted:
-        push(mode)
+    held = tuple(_stack_now(depth))
+    _set_stack(wanted, depth, pop, push)
+    stack.callback(_set_stack, held, depth, pop, push)
 
 
 @contextlib.contextmanager
@@ -103,11 +95,9 @@ def _in_modes(modes: Modes) -> Iterator[None]:
     """Within: this thread's torch modes are ``modes``; restored after."""
     grad, inference, autocasts, functions, dispatches = modes
     with contextlib.ExitStack() as stack:
-        if not _same(functions, _modes()[3]):
-            _swap_stack(stack, functions, _function_modes, torch._C._pop_torch_function_stack,
-                        torch._C._push_on_torch_function_stack)
-        if not _same(dispatches, _modes()[4]):
-            _swap_stack(stack, dispatches, _dispatch_modes, _pop_dispatch_mode, _push_dispatch_mode)
+        _swap_stack(stack, functions, _function_modes, torch._C._pop_torch_function_stack,
+                    torch._C._push_on_torch_function_stack)
+        _swap_stack(stack, dispatches, _dispatch_modes, _pop_dispatch_mode, _push_dispatch_mode)
         if _is_inference_mode_enabled() != inference:
             stack.enter_context(torch.inference_mode(inference))
         if _is_grad_enabled() != grad:
