@@ -295,20 +295,22 @@ def install_handlers(worker: Worker) -> None:
 
 def send_request(
     worker: Worker, to: PeerRef, target: str, obj_without_meta: tuple[Any, ...], timeout: float | None,
-    decode_value: bool = False,
+    decode_value: bool = False, label_of: Any = None,
 ) -> tuple[int, asyncio.Future[Any]]:
     """Pickle ``(*obj, meta)``, record it for autograd, send it; returns (dst, future).
 
     The future resolves with the reply payload, or with the value the callee sent
-    with :func:`dump_value` when ``decode_value`` is set."""
+    with :func:`dump_value` when ``decode_value`` is set. ``label_of``: the function
+    the call runs, named in a trace."""
     dst = worker.resolve(to).id
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
     undo: list[TakeBack] = []
     payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo, recording=meta is not None)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
+    label = _function_name(label_of) if worker.tracer.enabled and label_of is not None else None
     try:
-        reply = worker.call(dst, target, payload, timeout, decode)
+        reply = worker.call(dst, target, payload, timeout, decode, label)
     except BaseException:
         _take_back(undo)  # never sent (too big for a frame, ...)
         raise
@@ -323,6 +325,15 @@ def send_request(
     if undo:  # RRefs in it: those the callee could not load are taken back
         reply.add_done_callback(functools.partial(_take_back_unloaded, worker, undo))
     return dst, reply
+
+
+def _function_name(func: Any) -> str:
+    """How a trace names a remote function: module-qualified where it has one."""
+    # (a builtin's qualname is its class's: torch.add is _VariableFunctionsClass.add)
+    name = func.__name__ if isinstance(func, _BUILTIN_TYPES) else (
+        getattr(func, "__qualname__", None) or type(func).__qualname__)
+    module = getattr(func, "__module__", None)
+    return f"{module}.{name}" if module and module not in ("builtins", "__main__") else name
 
 
 def _forget_failed(worker: Worker, meta: Any, reply: asyncio.Future[Any]) -> None:
@@ -379,7 +390,7 @@ def rpc_async(
             "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
         )
     args, kwargs = call_arguments("rpc", args, kwargs, timeout)
-    _, reply = send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True)
+    _, reply = send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True, func)
     return reply
 
 

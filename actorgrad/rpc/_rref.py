@@ -517,7 +517,7 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: tuple[Any, ...],
         fork = None
     try:
         _, reply = _api.send_request(
-            worker, owner, "rref.create", (rref_id, fork, func, args, kwargs), timeout
+            worker, owner, "rref.create", (rref_id, fork, func, args, kwargs), timeout, label_of=func
         )
     except BaseException:
         table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it

@@ -843,10 +843,11 @@ class Worker:
 
     def call(
         self, to: PeerRef, target: str, payload: Payload, timeout: float | None = None,
-        decode: Callable[[Payload], Any] | None = None,
+        decode: Callable[[Payload], Any] | None = None, label: str | None = None,
     ) -> asyncio.Future[Any]:
         """Send a request now; the future resolves with the reply payload, or with
         ``decode(payload)`` when ``decode`` is given (its exception, if it raises).
+        ``label``: what the call runs, for a trace (a remote function's name).
 
         Fails with RpcTimeout after ``timeout`` (default ``rpc_timeout``; 0: none), with
         WorkerLost when the peer goes away (or is gone already: the future fails, as
@@ -866,7 +867,7 @@ class Worker:
         limit = self.options.rpc_timeout if timeout is None else timeout
         future = self._pending.add(peer, decode, limit)
         if self.tracer.enabled:
-            self._trace_call(future, target, payload)
+            self._trace_call(future, target, payload, label)
         try:
             peer.send(Call(request_id=future.request_id, target=target, payload=payload))
         except BaseException:
@@ -875,13 +876,16 @@ class Worker:
             raise
         return future
 
-    def _trace_call(self, future: CallFuture, target: str, payload: Payload) -> None:
+    def _trace_call(self, future: CallFuture, target: str, payload: Payload, label: str | None) -> None:
         start = now_us()
         peer, request_id = future.peer, future.request_id
 
         def done(_: asyncio.Future[Any]) -> None:
-            self.tracer.complete(f"call {target}", "rpc", start,
-                                 {"to": peer.name, "request": request_id, "bytes": payload.nbytes})
+            args: dict[str, Any] = {"to": peer.name, "request": request_id, "bytes": payload.nbytes}
+            if label is not None:
+                args["function"] = label
+            args["ok"] = not future.cancelled() and future.exception() is None
+            self.tracer.complete(f"call {target}", "rpc", start, args)
 
         future.add_done_callback(done)
 

@@ -300,6 +300,26 @@ async def test_one_backward_pass_counts_once_while_it_runs(group2) -> None:  # t
     assert _SEEN_PASSES == [1]
 
 
+def fails_here() -> None:
+    raise ValueError("on purpose")
+
+
+async def test_a_traced_call_names_its_function_and_whether_it_failed(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (every call read "call rpc.call" with no function and no outcome: a trace did
+    # not tell one call from another, nor the failed one)
+    with ag.trace():
+        await ag.rpc_async("worker1", my_add, args=(torch.ones(1), torch.ones(1)))
+        with pytest.raises(ag.RemoteError):
+            await ag.rpc_async("worker1", fails_here)
+        await ag.remote("worker1", torch.add, args=(torch.ones(1), 1)).to_here()
+    path = tmp_path / "t.json"
+    await ag.export_trace(str(path))
+    calls = [e["args"] for e in json.loads(path.read_text())["traceEvents"]
+             if e["pid"] == 0 and e["name"] in ("call rpc.call", "call rref.create")]
+    assert [(c["function"], c["ok"]) for c in calls] == [
+        (f"{__name__}.my_add", True), (f"{__name__}.fails_here", False), ("torch.add", True)], calls
+
+
 async def test_an_export_names_the_workers_missing_and_never_leaves_half_a_file(  # type: ignore[no-untyped-def]
         make_process_group, tmp_path, monkeypatch, caplog) -> None:
     # (a worker that did not answer was left out silently, so a partial trace looked
