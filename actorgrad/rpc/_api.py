@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import pickle
 import threading
 import time
 import types
@@ -223,7 +224,13 @@ def dump_value(worker: Worker, value: Any, dst: int) -> Payload:
     """Pickle a result (with autograd metadata) to send back to ``dst``."""
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst, reply=True)
-    payload = _dump_to(worker, dst, (value, meta), recording=meta is not None)
+    try:
+        payload = _dump_to(worker, dst, (value, meta), recording=meta is not None)
+    except (TypeError, AttributeError, pickle.PicklingError) as exc:
+        # (the caller would read the function's own TypeError otherwise)
+        raise TypeError(
+            f"the result ({type(value).__name__}) could not be sent back: {type(exc).__name__}: {exc}"
+        ) from exc
     hooks.after_send(worker, meta, payload, dst)
     return payload
 

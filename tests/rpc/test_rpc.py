@@ -461,6 +461,18 @@ async def test_unpicklable_exception_gives_remote_error_with_type(group2):
     assert info.value.__cause__ is None
 
 
+def returns_a_lock() -> object:
+    return threading.Lock()
+
+
+async def test_a_result_that_cannot_be_sent_says_so(group2):
+    # (it read "TypeError on worker1: cannot pickle '_thread.lock' object", as if the
+    # function had raised it)
+    with pytest.raises(ag.RemoteError, match=r"the result \(lock\) could not be sent back: TypeError: cannot pickle"):
+        await ag.rpc_async("worker1", returns_a_lock)
+    assert await ag.rpc_async("worker1", len, args=([1, 2],)) == 2
+
+
 # --------------------------------------------------------------------------------------
 # timeouts
 
