@@ -27,6 +27,12 @@ POLL_S = 0.5  # a wait is answered at least this often with the entries so far
 _MAX_BYTES = 16 << 20  # what the store keeps in all: a few short entries per worker
 
 
+def socket_fd(transport: Any) -> int | None:
+    """The descriptor of a transport's (or stream writer's) socket, if it has one open."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock.fileno() if sock is not None else None
+
+
 class StoreServer:
     """The TCP store hosted by rank 0."""
 
@@ -42,9 +48,8 @@ class StoreServer:
 
     def filenos(self) -> list[int]:
         """The descriptors of its sockets (see Worker.forsake_in_child)."""
-        socks = [*(self._server.sockets if self._server is not None else ()),
-                 *(w.get_extra_info("socket") for w in self._clients)]
-        return [sock.fileno() for sock in socks if sock is not None]
+        listening = [sock.fileno() for sock in (self._server.sockets if self._server is not None else ())]
+        return listening + [fd for w in self._clients if (fd := socket_fd(w)) is not None]
 
     async def close(self, linger: float = 0.0) -> None:
         """Stop serving. ``linger``: first wait up to that long for the clients to hang
@@ -171,8 +176,8 @@ class TcpStore:
         return items
 
     def filenos(self) -> list[int]:
-        sock = self._writer.get_extra_info("socket") if self._writer is not None else None
-        return [sock.fileno()] if sock is not None else []
+        fd = socket_fd(self._writer)
+        return [fd] if fd is not None else []
 
     async def close(self) -> None:
         if self._writer is not None:

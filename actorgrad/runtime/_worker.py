@@ -65,6 +65,7 @@ from ._rendezvous import (
     TcpStore,
     TorchAgentStore,
     parse_init_method,
+    socket_fd,
 )
 from ._torch_modes import as_a_fresh_thread, fresh_modes
 from ._trace import Tracer, in_lanes, now_us
@@ -509,7 +510,7 @@ class Worker:
         descriptor now refers to /dev/null here: the child reads nothing of the
         parent's, and the parent's registrations stay. The worker is closed here."""
         self.closed = True
-        fds = [_fileno(proto.transport) for proto in (*self._connections, *self.peers.values())]
+        fds = [socket_fd(proto.transport) for proto in (*self._connections, *self.peers.values())]
         for server in (self._server, self._local_server):
             fds += [sock.fileno() for sock in (server.sockets if server is not None else ())]
         if self._store_server is not None:
@@ -1197,8 +1198,3 @@ def _entry_name(entry: str) -> str:
 
 
 __all__ = ["AuthenticationError", "Worker", "describe_error", "error_payload"]
-
-
-def _fileno(transport: Any) -> int | None:
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    return sock.fileno() if sock is not None else None
