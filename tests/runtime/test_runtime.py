@@ -1152,15 +1152,23 @@ async def test_a_shutdown_cancelled_as_a_peer_is_heard_from_is_cancelled(make_gr
     shutting_down = asyncio.ensure_future(ag.shutdown())
     await asyncio.sleep(0.3)  # waiting for worker1's done
     assert not shutting_down.done()
-    worker0._done_changed.set()  # a peer's message, in the same step as the cancel
-    shutting_down.cancel()
-    await asyncio.wait({shutting_down}, timeout=3)
-    try:
-        assert shutting_down.cancelled()
+    try:  # (a peer's message, in the same step as the cancel)
+        await _ends_cancelled_when_woken_as_cancelled(shutting_down, worker0._done_changed)
     finally:
-        shutting_down.cancel()
-        await asyncio.gather(shutting_down, return_exceptions=True)
         await group.shutdown(graceful=False)
+
+
+async def _ends_cancelled_when_woken_as_cancelled(task: asyncio.Task[Any], wake: asyncio.Event) -> None:
+    """``wake`` what ``task`` waits for and cancel it in the same step: it must end
+    cancelled, not take the wake-up and wait on."""
+    wake.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=3)
+    try:
+        assert task.cancelled()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_a_follower_cancelled_as_worker0_is_heard_from_is_cancelled() -> None:
@@ -1178,14 +1186,7 @@ async def test_a_follower_cancelled_as_worker0_is_heard_from_is_cancelled() -> N
     follower._done_changed = asyncio.Event()
     following = asyncio.ensure_future(follow_leader(follower))  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
-    follower._done_changed.set()
-    following.cancel()
-    await asyncio.wait({following}, timeout=3)
-    try:
-        assert following.cancelled()
-    finally:
-        following.cancel()
-        await asyncio.gather(following, return_exceptions=True)
+    await _ends_cancelled_when_woken_as_cancelled(following, follower._done_changed)
 
 
 async def test_a_bad_shutdown_timeout_is_refused_before_anything_stops(group2):
