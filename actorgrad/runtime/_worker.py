@@ -80,6 +80,10 @@ _WAIT_SPIN_FACTOR = 10
 _TRACE_EXPORT_UNGRACEFUL = 10.0  # most a worker stopping at once spends writing the trace
 _STORE_LINGER = 2.0  # most a rendezvous host waits at shutdown for workers still in it
 _STORE_DONE_LINGER = 10.0  # once the group formed: the most a client of the store keeps it
+# A rank listens before it publishes its address, so one that refuses connections there
+# has stopped listening (it gave up forming the group, or exited); a short grace covers
+# a connection reset mid-accept.
+_REFUSED_GRACE_S = 1.0
 
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
@@ -337,7 +341,7 @@ class Worker:
                 if proto.name != self.infos[rank].name:
                     proto.abort(ProtocolError(f"peer {proto.name!r} is not rank {rank}'s worker"))
             # Lower ranks accept, higher ranks connect: exactly one connection per pair.
-            connects = [self._connect(addresses[r], local_addresses[r]) for r in self.infos if r < self.rank]
+            connects = [self._connect(r, addresses[r], local_addresses[r]) for r in self.infos if r < self.rank]
             await self._until(deadline, asyncio.gather(*connects), "connections to lower ranks",
                               self._not_connected)
             await self._until(deadline, asyncio.gather(*self._peer_waiters.values()), "every peer to connect",
@@ -444,14 +448,18 @@ class Worker:
                     "of a group needs the same world_size"
                 )
 
-    async def _connect(self, address: tuple[str, int], local: Any) -> None:
+    async def _connect(self, rank: int, address: tuple[str, int], local: Any) -> None:
         """Connect to a lower rank: through its Unix socket when it runs on this host
-        (see ``_local``), else (or when that fails) over TCP."""
+        (see ``_local``), else (or when that fails) over TCP.
+
+        Gives up once another rank's wait failed (the group cannot form: no use dialing
+        on) or once ``rank`` keeps refusing connections at the address it published."""
         proto = None
         if self._local_server is not None and isinstance(local, list) and len(local) == 2:
             unix = unix_endpoint(str(local[0]))
             proto = await _local.connect(self.loop, lambda: self._accept(True, unix), *local)
         delay = 0.01
+        refused_since = None
         tcp = tcp_endpoint(address[0], address[1])
         while proto is None:
             try:
@@ -461,10 +469,26 @@ class Worker:
                     server_hostname=address[0] if client_tls else None,
                 )
                 break
-            except (ConnectionRefusedError, ConnectionResetError):
+            except (ConnectionRefusedError, ConnectionResetError) as exc:
+                if (failed := self._failed_wait()) is not None:
+                    raise failed from None
+                now = time.monotonic()
+                refused_since = refused_since or now
+                if now - refused_since >= _REFUSED_GRACE_S:
+                    raise WorkerLost(self.infos[rank].name, (
+                        f"rank {rank} refuses connections at {address[0]}:{address[1]}, the address it "
+                        "published: it stopped listening (it gave up forming the group, or exited), "
+                        f"or that address does not reach it (RpcOptions.advertise_host): {exc}")) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
         await proto.established
+
+    def _failed_wait(self) -> BaseException | None:
+        """The error of a rank's wait that failed while the group forms (a key check)."""
+        for waiter in self._peer_waiters.values():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+                return waiter.exception()
+        return None
 
     def _accept(self, initiator: bool = False, endpoint: str = "") -> PeerProtocol:
         """A protocol for a new connection; ``endpoint``: the accepting side's (the one

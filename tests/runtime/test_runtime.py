@@ -467,6 +467,55 @@ async def test_different_auth_key_fails_to_join(spawn):
     assert "rank 1 cannot join" in str(results[0]) and "failed the key check" in str(results[0])
 
 
+async def test_one_wrong_key_among_three_fails_every_rank_soon(spawn, monkeypatch):
+    # rank 2 fails the key check with ranks 0 and 1, which fail at once; rank 1 may dial
+    # rank 0 only after rank 0 gave up and stopped listening (it used to retry the
+    # refused connection until its own init_timeout, then name rank 0 as missing)
+    dial = ag.runtime.Worker._connect
+
+    async def rank1_dials_late(self, *args):  # type: ignore[no-untyped-def]
+        if self.rank == 1:
+            await asyncio.sleep(1.0)
+        await dial(self, *args)
+
+    monkeypatch.setattr(ag.runtime.Worker, "_connect", rank1_dials_late)
+    for _ in range(2):
+        method = f"tcp://127.0.0.1:{free_port()}"
+        specs = [
+            {"name": f"k{r}", "rank": r, "world_size": 3, "init_method": method,
+             "options": ag.RpcOptions(auth_key=key, init_timeout=30.0)}
+            for r, key in enumerate([b"right", b"right", b"wrong"])
+        ]
+        start = time.monotonic()
+        results = await spawn(specs, timeout=40)
+        assert time.monotonic() - start < 10, results
+        assert all(isinstance(r, Exception) for r in results), results
+        assert isinstance(results[2], ag.AuthenticationError), results[2]
+        assert not any(isinstance(r, ag.RendezvousTimeout) for r in results), results
+        assert "rank 2 cannot join" in str(results[1]), results[1]
+
+
+async def test_a_rank_that_stopped_listening_is_named_soon(spawn, monkeypatch):
+    dial = ag.runtime.Worker._connect
+
+    async def dials_after_rank0_gave_up(self, *args):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(2.5)
+        await dial(self, *args)
+
+    monkeypatch.setattr(ag.runtime.Worker, "_connect", dials_after_rank0_gave_up)
+    method = f"tcp://127.0.0.1:{free_port()}"
+    specs = [{"name": f"gone{r}", "rank": r, "world_size": 2, "init_method": method,
+              "options": ag.RpcOptions(init_timeout=timeout)} for r, timeout in enumerate([1.5, 30.0])]
+    start = time.monotonic()
+    first, second = await spawn(specs, timeout=40)
+    assert time.monotonic() - start < 10
+    assert isinstance(first, ag.RendezvousTimeout), first
+    # rank 1 used to retry the refused connection for its whole init_timeout
+    assert isinstance(second, ag.WorkerLost), second
+    assert "rank 0 refuses connections at 127.0.0.1:" in str(second), second
+    assert "gone0" in str(second), second
+
+
 async def test_a_timeout_while_connecting_names_the_ranks_missing(spawn, monkeypatch):
     async def never_connects(self, *args):  # type: ignore[no-untyped-def]
         await asyncio.sleep(3600)
