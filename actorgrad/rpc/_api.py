@@ -244,6 +244,8 @@ def load_value(worker: Worker, payload: Payload, src: int) -> Any:
 
 def _serve_call(worker: Worker, policy: InlinePolicy, peer: Any, payload: Payload) -> Any:
     func, args, kwargs, meta = load_noting_forks(worker, peer.rank, payload)
+    if worker.tracer.enabled:
+        worker.serving_label = function_name(func)
     hooks = _hooks.current()
     hooks.on_receive(worker, meta, payload, peer.rank)
     if meta is None:
@@ -315,7 +317,7 @@ def send_request(
     undo: list[TakeBack] = []
     payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo, recording=meta is not None)
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
-    label = _function_name(label_of) if worker.tracer.enabled and label_of is not None else None
+    label = function_name(label_of) if worker.tracer.enabled and label_of is not None else None
     try:
         reply = worker.call(dst, target, payload, timeout, decode, label)
     except BaseException:
@@ -334,7 +336,7 @@ def send_request(
     return dst, reply
 
 
-def _function_name(func: Any) -> str:
+def function_name(func: Any) -> str:
     """How a trace names a remote function: module-qualified where it has one."""
     # (a builtin's qualname is its class's: torch.add is _VariableFunctionsClass.add)
     name = func.__name__ if isinstance(func, _BUILTIN_TYPES) else (

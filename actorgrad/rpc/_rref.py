@@ -568,6 +568,8 @@ def install_handlers(worker: Worker) -> None:
 
     def create(peer: Any, payload: Payload) -> Any:
         rref_id, fork, func, args, kwargs, meta = _api.load_noting_forks(worker, peer.rank, payload)
+        if worker.tracer.enabled:
+            worker.serving_label = _api.function_name(func)
         hooks = _hooks.current()
         hooks.on_receive(worker, meta, payload, peer.rank)
         rref_id = tuple(rref_id)

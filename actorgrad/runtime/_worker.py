@@ -177,6 +177,8 @@ class Worker:
         self._handlers: dict[str, Handler] = {}
         self._tell_only: set[str] = set()
         self.serving_request = 0  # request id of the call whose handler runs right now
+        # what a traced call's handler runs (a remote function's name), for its spans
+        self.serving_label: str | None = None
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
         self._server: asyncio.Server | None = None
         self._local_server: asyncio.Server | None = None
@@ -739,9 +741,12 @@ class Worker:
     def _serve_call(self, peer: PeerProtocol, msg: Call) -> None:
         if self.tracer.enabled:
             start = now_us()
+            self.serving_label = None
             self._serve_call_untraced(peer, msg)
-            self.tracer.complete(f"serve {msg.target}", "rpc", start,
-                                 {"from": peer.name, "request": msg.request_id})
+            args = {"from": peer.name, "request": msg.request_id}
+            if self.serving_label is not None:
+                args["function"] = self.serving_label
+            self.tracer.complete(f"serve {msg.target}", "rpc", start, args)
             return
         self._serve_call_untraced(peer, msg)
 
@@ -763,16 +768,17 @@ class Worker:
             self._reply(peer, msg.request_id, reply)
         elif reply is not None:
             task = self.loop.create_task(
-                self._finish_call(peer, msg.request_id, reply, self.tracer.enabled), context=self._context.copy()
+                self._finish_call(peer, msg.request_id, reply, self.tracer.enabled, self.serving_label),
+                context=self._context.copy(),
             )
             if inspect.iscoroutine(reply):  # cancelled before it started: close it quietly
                 task.add_done_callback(functools.partial(_close_unstarted, reply))
             peer.serving[msg.request_id] = task
 
     async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None],
-                           traced: bool) -> None:
+                           traced: bool, label: str | None = None) -> None:
         # traced: recording was on when the call arrived (a trace block may end
-        # before this task starts)
+        # before this task starts); label: the function it runs (serving_label)
         start = now_us() if traced else 0.0
         task = asyncio.current_task()
         interrupted: KeyboardInterrupt | None = None
@@ -807,9 +813,10 @@ class Worker:
         if interrupted is not None:
             raise interrupted
         if start:
-            self.tracer.complete("run remote function", "rpc", start,
-                                 {"from": peer.name, "request": request_id,
-                                  "ok": isinstance(response, Result)})
+            args = {"from": peer.name, "request": request_id, "ok": isinstance(response, Result)}
+            if label is not None:
+                args["function"] = label
+            self.tracer.complete("run remote function", "rpc", start, args)
 
     def _serve_tell(self, peer: PeerProtocol, msg: Tell) -> None:
         handler = self._handlers.get(msg.target)

@@ -318,6 +318,13 @@ async def test_a_traced_call_names_its_function_and_whether_it_failed(group2, tm
              if e["pid"] == 0 and e["name"] in ("call rpc.call", "call rref.create")]
     assert [(c["function"], c["ok"]) for c in calls] == [
         (f"{__name__}.my_add", True), (f"{__name__}.fails_here", False), ("torch.add", True)], calls
+    # the callee's spans name it too, whether it ran inline or as a task
+    served = [(e["name"], e["args"].get("function")) for e in json.loads(path.read_text())["traceEvents"]
+              if e["pid"] == 1 and e["name"] in ("serve rpc.call", "serve rref.create", "run remote function")]
+    assert ("serve rpc.call", f"{__name__}.my_add") in served, served
+    assert ("serve rpc.call", f"{__name__}.fails_here") in served, served
+    assert ("serve rref.create", "torch.add") in served, served
+    assert ("run remote function", "torch.add") in served, served
 
 
 async def test_an_export_names_the_workers_missing_and_never_leaves_half_a_file(  # type: ignore[no-untyped-def]
