@@ -760,11 +760,12 @@ def _describe_start(key: Hashable) -> str:
 
 @contextlib.contextmanager
 def _traced_nodes(tracer: Any, nodes: list[Any]) -> Iterator[None]:
-    """While tracing, record every autograd node execution in ``nodes`` as a span."""
+    """While tracing, record every autograd node execution in ``nodes`` as a span; a
+    node that raised (started, never finished) as a failed one."""
     if not nodes:
         yield
         return
-    from ..runtime._trace import now_us
+    from ..runtime._trace import failed, now_us
 
     started: dict[Any, float] = {}
     handles = []
@@ -782,6 +783,10 @@ def _traced_nodes(tracer: Any, nodes: list[Any]) -> Iterator[None]:
         handles.append(node.register_hook(post))
     try:
         yield
+    except BaseException as exc:
+        for node, start in started.items():
+            tracer.complete(node.name(), "autograd node", start, failed(None, exc))
+        raise
     finally:
         for handle in handles:
             handle.remove()

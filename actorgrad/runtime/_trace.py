@@ -14,11 +14,21 @@ from contextlib import contextmanager
 from typing import Any
 
 MAX_EVENTS = 1_000_000
+_ERROR_CHARS = 500  # of an error's text kept in a span
 _TID_SPAN = 100_000  # thread ids are taken modulo this; extra rows of a thread add multiples
 
 
 def now_us() -> float:
     return time.time_ns() / 1000.0
+
+
+def failed(args: dict[str, Any] | None, exc: BaseException) -> dict[str, Any]:
+    """A span's ``args`` for a span that ended in ``exc``."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # a user's exception whose str() fails
+        text = type(exc).__name__
+    return {**(args or {}), "ok": False, "error": text[:_ERROR_CHARS]}
 
 
 class Tracer:
@@ -80,8 +90,10 @@ class Tracer:
         start = now_us()
         try:
             yield
-        finally:
-            self.complete(name, cat, start, args)
+        except BaseException as exc:
+            self.complete(name, cat, start, failed(args, exc))
+            raise
+        self.complete(name, cat, start, args)
 
     def _add(self, event: dict[str, Any]) -> None:
         event["pid"] = self.rank

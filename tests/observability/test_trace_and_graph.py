@@ -327,6 +327,39 @@ async def test_a_traced_call_names_its_function_and_whether_it_failed(group2, tm
     assert ("run remote function", "torch.add") in served, served
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise ValueError("backward fails on purpose")
+
+
+def fails_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _FailsInBackward.apply(x * 2)
+
+
+async def test_a_failed_backward_traces_the_node_that_raised(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (the node that raised and its job left no span at all: the trace of a failed
+    # backward showed the nodes that ran before it and nothing of the failure)
+    x = torch.ones(3, requires_grad=True)
+    with ag.trace():
+        async with ag.autograd.context() as cid:
+            y = await ag.rpc_async("worker1", fails_in_backward, args=(x,))
+            with pytest.raises(ag.RemoteError, match="backward fails on purpose"):
+                await ag.autograd.backward(cid, [y.sum()])
+    path = tmp_path / "t.json"
+    await ag.export_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["pid"] == 1]
+    failed = [(e["name"], e["args"]["error"]) for e in events if "error" in e["args"]]
+    assert ("_FailsInBackwardBackward", "ValueError: backward fails on purpose") in failed, failed
+    assert [name for name, _ in failed].count("backward job") == 1, failed
+    # the node after it never ran, and is not drawn
+    assert not any(e["name"] == "MulBackward0" for e in events), events
+
+
 async def test_an_export_names_the_workers_missing_and_never_leaves_half_a_file(  # type: ignore[no-untyped-def]
         make_process_group, tmp_path, monkeypatch, caplog) -> None:
     # (a worker that did not answer was left out silently, so a partial trace looked
