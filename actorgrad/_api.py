@@ -155,11 +155,18 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 async def _closing_workers(main: Coroutine[Any, Any, T]) -> T:
     loop = asyncio.get_running_loop()
     before = _current.live_on(loop)  # (on a loop run again: not those of earlier code)
+    failure: BaseException | None = None
     try:
         return await main
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
         for worker in _current.live_on(loop):
             if worker not in before:
+                if failure is not None and not isinstance(failure, asyncio.CancelledError) and not (
+                        isinstance(failure, SystemExit) and failure.code in (None, 0)):
+                    worker.set_stopped_on(failure)
                 await worker.shutdown(graceful=False)
 
 

@@ -12,7 +12,9 @@ and ``PYTHONUNBUFFERED=1`` (and ``OMP_NUM_THREADS=1`` unless set, as torchrun
 does).  Every output line of rank ``r`` is echoed with a ``[rank r] `` prefix (see
 ``_rank_output``).  If any rank fails, or the launcher receives SIGINT, SIGTERM, SIGHUP
 or SIGQUIT, every rank's process group is signalled, given a grace period, and then
-killed; the launcher always waits for all of its children before it returns.
+killed (after a failure, the other ranks first get a few seconds to exit by themselves,
+so each one's own error is printed); the launcher always waits for all of its children
+before it returns.
 
 This module uses the standard library only, and the package loads its public names
 on first use, so the launcher starts without importing torch.
@@ -48,6 +50,11 @@ _LAUNCH = "actorgrad launch"
 #: Seconds between the polite signal (SIGTERM/SIGINT) and SIGKILL (torchrun's: time
 #: for a rank's handler to save a checkpoint; a second Ctrl-C kills at once).
 GRACE_PERIOD_S = 30.0
+#: Seconds the other ranks have to exit by themselves once one failed, before they are
+#: signalled: a rank that failed while serving a peer is often seen to go (WorkerLost)
+#: by a peer that exits first, and its own traceback is printed only as it exits (after
+#: up to 2 s joining its thread pool); a signal then would cut it off.
+SETTLE_S = 3.0
 #: How often the supervisor loop polls the children.
 _POLL_INTERVAL_S = 0.05
 
@@ -564,10 +571,24 @@ def launch(
             if failed:
                 first = failed[0]
                 text, exit_code = _describe_exit(first.proc.returncode)
+                told = 1
+                deadline = time.monotonic() + SETTLE_S
+                if done < len(ranks):
+                    _say(err, f"rank {first.rank} {text}; the other rank(s) have {SETTLE_S:g}s to exit")
+                while True:
+                    for r in failed[told:]:
+                        _say(err, f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} "
+                             f"(after rank {first.rank})")
+                    told = len(failed)
+                    if done == len(ranks) or signals.received or time.monotonic() >= deadline:
+                        break
+                    exited = watch.exited(_POLL_INTERVAL_S)
+                    done += len(exited)
+                    failed += [r for r in exited if r.proc.returncode != 0]
                 others = [r for r in ranks if r.proc.poll() is None]
-                _say(err, f"rank {first.rank} {text}; terminating {len(others)} remaining rank(s)")
-                for r in failed[1:]:
-                    _say(err, f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} (after rank {first.rank})")
+                if others:
+                    _say(err, f"terminating {len(others)} remaining rank(s): "
+                         f"{', '.join(str(r.rank) for r in others)}")
                 _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
                 break
             if done == len(ranks):

@@ -48,6 +48,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.serving: dict[int, asyncio.Task[None]] = {}  # its requests we are running
         self.last_received = self.last_sent = time.monotonic()
         self.leaving = False  # peer announced shutdown: losing it is expected
+        self.left_on_error = ""  # the error the peer's program stopped on, as it told us
         self.lost_reason: str | None = None
         # Above the transport's high-water mark the peer is not reading what we send as
         # fast as we produce it: its calls wait in ``deferred`` (in order) until the

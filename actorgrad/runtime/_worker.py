@@ -84,6 +84,10 @@ _STORE_DONE_LINGER = 10.0  # once the group formed: the most a client of the sto
 # has stopped listening (it gave up forming the group, or exited); a short grace covers
 # a connection reset mid-accept.
 _REFUSED_GRACE_S = 1.0
+# A Goodbye that starts so tells the peers the error the program stopped on; the reason
+# travels in a control frame, which must stay small.
+_STOPPED_ON_ERROR = "it stopped on an error: "
+_STOP_REASON_CHARS = 800  # (4 bytes a character at most: under the 4 KiB of a control frame)
 
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
@@ -177,6 +181,8 @@ class Worker:
         self._handlers: dict[str, Handler] = {}
         self._tell_only: set[str] = set()
         self.serving_request = 0  # request id of the call whose handler runs right now
+        # what the Goodbye to every peer says (set_stopped_on when the program failed)
+        self.stop_reason = "shutdown"
         # what a traced call's handler runs (a remote function's name), for its spans
         self.serving_label: str | None = None
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
@@ -706,6 +712,8 @@ class Worker:
                             break
             elif isinstance(msg, Goodbye):
                 peer.leaving = True
+                if msg.reason.startswith(_STOPPED_ON_ERROR):
+                    peer.left_on_error = msg.reason[:_STOP_REASON_CHARS]
         finally:
             _current.current_worker.reset(token)
 
@@ -967,7 +975,10 @@ class Worker:
         # that we are closing on: an orderly end. One that vanished without either while
         # we were shutting down crashed, and is reported like any other loss.
         orderly = proto.leaving or self.closed or (self.shutting_down and proto.rank in self._done_from)
-        if orderly:
+        if proto.left_on_error:  # its program failed: no orderly end, and the peer says why
+            orderly = False
+            reason = f"{reason} ({proto.left_on_error})"
+        elif orderly:
             reason = f"{reason} (worker shut down)"
         error = WorkerLost(name, reason)
         for request_id in list(proto.outstanding):
@@ -1069,6 +1080,16 @@ class Worker:
             self._done_from.add(peer.rank)
         self._done_changed.set()
 
+    def set_stopped_on(self, exc: BaseException) -> None:
+        """The program stops this worker because it raised ``exc``: tell the peers so
+        when the connections close (their WorkerLost names it; the program's own
+        traceback may never be seen, its process killed by a launcher meanwhile)."""
+        try:
+            text = f"{type(exc).__qualname__}: {exc}" if str(exc) else type(exc).__qualname__
+        except Exception:  # a user's exception whose str() fails
+            text = type(exc).__qualname__
+        self.stop_reason = (_STOPPED_ON_ERROR + text)[:_STOP_REASON_CHARS]
+
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop this worker. Graceful: wait until no worker has outstanding work first.
 
@@ -1169,7 +1190,7 @@ class Worker:
                     task.cancel()
             if proto.is_open:
                 with contextlib.suppress(Exception):
-                    proto.send(Goodbye(reason="shutdown"))
+                    proto.send(Goodbye(reason=self.stop_reason))
                 proto.close()
         for server in (self._server, self._local_server):
             if server is not None:

@@ -339,6 +339,20 @@ def test_the_rank_that_failed_first_is_reported(tmp_path: Path) -> None:
     assert "rank 1 exited with code 3" in err
 
 
+def test_a_rank_that_fails_while_serving_is_heard_from() -> None:
+    """Rank 1 fails while rank 0 waits on it: rank 0 exits first (WorkerLost). Rank 1
+    used to be terminated before its own traceback was printed, and rank 0's error
+    read like an orderly shutdown ('connection closed (worker shut down)')."""
+    code, out, err = _run(["launch", "--nproc", "2", str(SCRIPTS / "fails_while_serving.py")], timeout=60)
+    assert code == 1, err
+    assert "[rank 1] ValueError: rank 1 fails on purpose" in out + err
+    assert ("is lost: connection closed (it stopped on an error: ValueError: rank 1 fails on purpose)"
+            in out + err)
+    assert "rank 0 exited with code 1" in err
+    assert "rank 1 also exited with code 1 (after rank 0)" in err
+    assert "terminating" not in err
+
+
 def test_an_unfinished_line_is_shown_while_its_rank_waits(tmp_path: Path) -> None:
     """A prompt or a progress bar without a newline reaches the screen before the
     rest of its line (it was held back until the rank ended)."""
