@@ -374,14 +374,19 @@ class CollectiveActor:
             o: Op = ChainBroadcast(self, group, seq, sig, work.view(-1), src, self.chunk_bytes)
         else:
             o = DirectBroadcast(self, group, seq, sig, work, src)
-        o.after = writeback
+        # (the source's tensor is only read: an expand() of one value, which cannot be
+        # written through, is a fine source)
+        o.after = writeback if src != self.worker.rank else None
         return self.run(o)
 
     def scatter(self, group: Group, t: torch.Tensor, parts: list[torch.Tensor] | None,
                 src: int) -> asyncio.Future[Any]:
         seq = self.next_seq(group)
         sig = sig_of("scatter", t, src=src)
-        work, writeback = _staged(t)
+        mine = group.ranks.index(self.worker.rank)
+        # the root's own part written into a tensor that is also another rank's part,
+        # read by that rank later (CMA), would send it ours: write it once all is sent
+        work, writeback = _staged(t, copy=parts is not None and _aliased(t, parts, mine))
         staged = None if parts is None else [_staged(p)[0] for p in parts]
         o = Scatter(self, group, seq, sig, work, staged, src)
         o.after = writeback
@@ -392,7 +397,10 @@ class CollectiveActor:
         seq = self.next_seq(group)
         sig = sig_of("gather" if dst is not None else "all_gather", t,
                      **({"dst": dst} if dst is not None else {}))
-        work, _ = _staged(t)
+        # an output entry of another rank that is (or overlaps) the input would be
+        # written while the input is still being sent: send a copy of it
+        mine = group.ranks.index(self.worker.rank)
+        work, _ = _staged(t, copy=out is not None and _aliased(t, out, mine))
         writebacks: list[Callable[[], None]] = []
         staged_out = None
         if out is not None:
@@ -682,6 +690,26 @@ def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable
         d.copy_(work)
 
     return work, writeback
+
+
+def _aliased(t: torch.Tensor, tensors: list[torch.Tensor], mine: int) -> bool:
+    """Whether ``t`` shares memory with an entry of ``tensors`` other than ``tensors[mine]``."""
+    span = _memory_span(t)
+    if span is None:
+        return False
+    for i, other in enumerate(tensors):
+        if i != mine and (o := _memory_span(other)) is not None and o[0] < span[1] and span[0] < o[1]:
+            return True
+    return False
+
+
+def _memory_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of memory ``t``'s elements lie in (first, past the last); None if none."""
+    if not t.numel() or not t.is_cpu:
+        return None
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
 
 
 def _dense_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -201,11 +201,14 @@ class TorchBackend:
         opts = dist.BroadcastOptions()
         opts.rootRank = group.ranks.index(src)
         opts.rootTensor = 0
-        return self._launch(group, lambda pg: pg.broadcast([work], opts), writeback)
+        # (the source's tensor is only read: see CollectiveActor.broadcast)
+        return self._launch(group, lambda pg: pg.broadcast([work], opts),
+                            writeback if src != self.worker.rank else None)
 
     def scatter(self, group: Group, t: torch.Tensor, parts: list[torch.Tensor] | None,
                 src: int) -> asyncio.Future[Any]:
-        work, writeback = _staged(t)
+        mine = group.ranks.index(self.worker.rank)
+        work, writeback = _staged(t, copy=parts is not None and _aliased(t, parts, mine))
         opts = dist.ScatterOptions()
         opts.rootRank = group.ranks.index(src)
         inputs = [[_staged(p)[0] for p in parts]] if parts is not None else []
@@ -213,7 +216,8 @@ class TorchBackend:
 
     def gather(self, group: Group, t: torch.Tensor, out: list[torch.Tensor] | None,
                dst: int | None) -> asyncio.Future[Any]:
-        work, _ = _staged(t)
+        mine = group.ranks.index(self.worker.rank)
+        work, _ = _staged(t, copy=out is not None and _aliased(t, out, mine))
         staged = [_staged(o) for o in out] if out is not None else []
 
         def after() -> None:
@@ -278,6 +282,12 @@ def _shut_down(fut: asyncio.Future[PG]) -> None:
             fut.result().shutdown()
         except Exception:
             log.debug("shutting a process group down failed", exc_info=True)
+
+
+def _aliased(t: torch.Tensor, tensors: list[torch.Tensor], mine: int) -> bool:
+    from ._actor import _aliased as aliased
+
+    return aliased(t, tensors, mine)
 
 
 def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:

@@ -186,6 +186,61 @@ async def test_scatter_gather_all_gather(world4: InProcessGroup) -> None:
                 assert torch.equal(gathered[i], inp(i))
 
 
+@pytest.mark.parametrize("numel", [5, 20_000, 300_001])  # in the header, through CMA, over the ring's size
+async def test_an_input_that_is_another_ranks_output_entry(make_group: object, numel: int, backend: str) -> None:
+    # (all_gather wrote a peer's data into the input while it was still being sent,
+    # through CMA too: every rank got wrong values; a scatter root whose own output was
+    # another rank's part sent it the root's part)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def init(rank: int) -> None:
+        await C.init_process_group(backend=backend)
+
+    await run_all(group, init)
+    ins = [inp(r, (numel,)) for r in range(3)]
+    parts = [inp(10 + r, (numel,)) for r in range(3)]
+
+    async def body(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
+        mine = ins[rank].clone()
+        everyone = [torch.zeros(numel) for _ in range(3)]
+        everyone[(rank + 1) % 3] = mine  # a peer's slot is the input itself
+        await C.all_gather(everyone, mine)
+        gathered = None
+        if rank == 2:
+            mine = ins[rank].clone()
+            gathered = [mine, torch.zeros(numel), torch.zeros(numel)]  # rank 0's slot
+        await C.gather(ins[rank].clone() if rank != 2 else mine, gathered, dst=2)
+        if rank == 2:
+            own = [p.clone() for p in parts]
+            await C.scatter(own[0], own, src=2)  # its output is rank 0's part
+            got = own[0]
+        else:
+            got = torch.zeros(numel)
+            await C.scatter(got, None, src=2)
+        return everyone, gathered, got
+
+    results = await run_all(group, body, timeout=60)
+    for rank, (everyone, gathered, got) in enumerate(results):
+        for i in range(3):
+            assert torch.equal(everyone[i], ins[i]), (rank, i)
+        if gathered is not None:
+            for i in range(3):
+                assert torch.equal(gathered[i], ins[i]), i
+        assert torch.equal(got, parts[rank]), rank
+
+
+async def test_broadcast_from_a_tensor_that_cannot_be_written(world4: InProcessGroup) -> None:
+    # (the source wrote its own tensor back through the expand() and raised, while the
+    # others had the value)
+    async def body(rank: int) -> torch.Tensor:
+        t = torch.tensor([5.0]).expand(4) if rank == 1 else torch.zeros(4)
+        await C.broadcast(t, src=1)
+        return t
+
+    for got in await run_all(world4, body):
+        assert torch.equal(got, torch.full((4,), 5.0))
+
+
 async def test_barrier_waits_for_the_last_rank(world4: InProcessGroup) -> None:
     loop = asyncio.get_running_loop()
 
