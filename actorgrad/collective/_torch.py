@@ -21,6 +21,8 @@ import contextlib
 import datetime
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,7 @@ from ..runtime import Worker
 from ._types import Group, ReduceOp
 
 log = logging.getLogger("actorgrad.collective")
+_JOIN_WAITS_S = 2.0  # most close() waits for point-to-point waits to end
 
 _OPS: dict[ReduceOp, Any] = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -60,6 +63,8 @@ class TorchBackend:
         self.pgs: dict[int, asyncio.Future[PG]] = {}
         # per group, the operations called while its pg was being made, in call order
         self._queued: dict[int, list[Callable[[], None]]] = {}
+        # a thread per point-to-point operation in flight (see _launch)
+        self._waiting: set[threading.Thread] = set()
         self.closed = False
 
     # -- process groups -----------------------------------------------------------------
@@ -130,8 +135,23 @@ class TorchBackend:
                 finish(exc)
                 return
             if blocking:
-                waiter = self.worker.run_blocking(work.wait, waits_on_peers=True)
-                waiter.add_done_callback(lambda f: finish(f.exception()))
+                # gloo's send and recv have no future, only a blocking wait. Each waits
+                # on a thread of its own, not the worker's pool: sixteen receives
+                # posted ahead (a server waiting on its clients) would hold every pool
+                # thread, and no remote function could run until one completed.
+                def wait() -> None:
+                    try:
+                        work.wait()
+                        error = None
+                    except Exception as exc:
+                        error = exc
+                    with contextlib.suppress(RuntimeError):  # the loop is closed
+                        self.loop.call_soon_threadsafe(finish, error)
+                    self._waiting.discard(threading.current_thread())
+
+                thread = threading.Thread(target=wait, name=f"actorgrad-{self.name}-p2p", daemon=True)
+                self._waiting.add(thread)
+                thread.start()
                 return
             fut = work.get_future()
 
@@ -274,6 +294,11 @@ class TorchBackend:
             _shut_down(fut)
         self.pgs.clear()
         self.store = None
+        # the waits end with their process groups; a thread still holding tensors when
+        # the interpreter exits can abort it inside torch's destructors
+        deadline = time.monotonic() + _JOIN_WAITS_S
+        for thread in list(self._waiting):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _shut_down(fut: asyncio.Future[PG]) -> None:

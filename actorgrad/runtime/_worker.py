@@ -947,9 +947,9 @@ class Worker:
     def run_blocking(self, fn: Callable[[], Any], waits_on_peers: bool = False) -> asyncio.Future[Any]:
         """Run ``fn()`` in the worker's thread pool, in the caller's contextvars.
 
-        ``waits_on_peers``: ``fn`` only waits for other workers (a gloo receive), so a
-        graceful shutdown does not wait for it as for work served here: closing the
-        backend ends it."""
+        ``waits_on_peers``: ``fn`` only waits for other workers (the rendezvous of a
+        gloo process group), so a graceful shutdown does not wait for it as for work
+        served here: closing the backend ends it."""
         future = self._pool.submit(fn, contextvars.copy_context())
         if waits_on_peers:
             self._peer_waits += 1

@@ -202,6 +202,35 @@ async def test_a_recv_cancelled_as_its_message_arrives_hands_the_message_on(
     assert (await run_all(world4, body))[1] == 42.0
 
 
+def _plus_one(x: int) -> int:
+    return x + 1
+
+
+async def test_receives_posted_ahead_leave_the_pool_free(world4: InProcessGroup) -> None:
+    # (on gloo each pending receive held one of the worker's 16 pool threads: a server
+    # waiting on its clients could run no remote function, which timed out)
+    import actorgrad as ag
+
+    async def body(rank: int) -> Any:
+        if rank == 0:
+            bufs = [torch.zeros(2) for _ in range(20)]
+            works = [C.irecv(b, src=1, tag=i) for i, b in enumerate(bufs)]
+            for w in works:
+                await w
+            return [b.tolist() for b in bufs]
+        if rank == 1:
+            await asyncio.sleep(0.3)  # the receives are posted
+            answer = await ag.rpc_async("worker0", _plus_one, args=(1,), timeout=5)
+            for i in range(20):
+                await C.send(torch.full((2,), float(i)), dst=0, tag=i)
+            return answer
+        return None
+
+    results = await run_all(world4, body, timeout=30)
+    assert results[1] == 2
+    assert results[0] == [[float(i)] * 2 for i in range(20)]
+
+
 async def test_wait_and_init_timeouts_must_be_numbers(world4: InProcessGroup) -> None:
     async def body(rank: int) -> None:
         if rank > 1:
