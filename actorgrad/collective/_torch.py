@@ -185,6 +185,7 @@ class TorchBackend:
 
     # -- the API ------------------------------------------------------------------------
     def all_reduce(self, group: Group, t: torch.Tensor, op: ReduceOp) -> asyncio.Future[Any]:
+        _check_complex_op(self.name, t, op)
         work, writeback = _staged(t)
         n = group.size()
 
@@ -196,9 +197,10 @@ class TorchBackend:
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]
-        return self._launch(group, lambda pg: pg.allreduce([work], opts), after)
+        return self._launch(group, lambda pg: pg.allreduce([_real(work)], opts), after)
 
     def reduce(self, group: Group, t: torch.Tensor, dst: int, op: ReduceOp) -> asyncio.Future[Any]:
+        _check_complex_op(self.name, t, op)
         is_root = dst == self.worker.rank
         work, writeback = _staged(t, copy=not is_root)
         n = group.size()
@@ -214,7 +216,7 @@ class TorchBackend:
         opts.reduceOp = _OPS[op]
         opts.rootRank = group.ranks.index(dst)
         opts.rootTensor = 0
-        return self._launch(group, lambda pg: pg.reduce([work], opts), after)
+        return self._launch(group, lambda pg: pg.reduce([_real(work)], opts), after)
 
     def broadcast(self, group: Group, t: torch.Tensor, src: int) -> asyncio.Future[Any]:
         work, writeback = _staged(t)
@@ -222,7 +224,7 @@ class TorchBackend:
         opts.rootRank = group.ranks.index(src)
         opts.rootTensor = 0
         # (the source's tensor is only read: see CollectiveActor.broadcast)
-        return self._launch(group, lambda pg: pg.broadcast([work], opts),
+        return self._launch(group, lambda pg: pg.broadcast([_real(work)], opts),
                             writeback if src != self.worker.rank else None)
 
     def scatter(self, group: Group, t: torch.Tensor, parts: list[torch.Tensor] | None,
@@ -231,8 +233,8 @@ class TorchBackend:
         work, writeback = _staged(t, copy=parts is not None and _aliased(t, parts, mine))
         opts = dist.ScatterOptions()
         opts.rootRank = group.ranks.index(src)
-        inputs = [[_staged(p)[0] for p in parts]] if parts is not None else []
-        return self._launch(group, lambda pg: pg.scatter([work], inputs, opts), writeback)
+        inputs = [[_real(_staged(p)[0]) for p in parts]] if parts is not None else []
+        return self._launch(group, lambda pg: pg.scatter([_real(work)], inputs, opts), writeback)
 
     def gather(self, group: Group, t: torch.Tensor, out: list[torch.Tensor] | None,
                dst: int | None) -> asyncio.Future[Any]:
@@ -245,12 +247,12 @@ class TorchBackend:
                 if wb is not None:
                     wb()
 
-        outputs = [[w for w, _ in staged]] if out is not None else []
+        outputs = [[_real(w) for w, _ in staged]] if out is not None else []
         if dst is None:
-            return self._launch(group, lambda pg: pg.allgather(outputs, [work]), after)
+            return self._launch(group, lambda pg: pg.allgather(outputs, [_real(work)]), after)
         opts = dist.GatherOptions()
         opts.rootRank = group.ranks.index(dst)
-        return self._launch(group, lambda pg: pg.gather(outputs, [work], opts), after)
+        return self._launch(group, lambda pg: pg.gather(outputs, [_real(work)], opts), after)
 
     def barrier(self, group: Group) -> asyncio.Future[Any]:
         return self._launch(group, lambda pg: pg.barrier(dist.BarrierOptions()))
@@ -258,7 +260,7 @@ class TorchBackend:
     def send(self, group: Group, t: torch.Tensor, dst: int, tag: int) -> asyncio.Future[Any]:
         work, _ = _staged(t)
         peer = group.ranks.index(dst)
-        return self._launch(group, lambda pg: pg.send([work], peer, tag), blocking=True)
+        return self._launch(group, lambda pg: pg.send([_real(work)], peer, tag), blocking=True)
 
     def recv(self, group: Group, t: torch.Tensor, src: int | None, tag: int) -> asyncio.Future[Any]:
         work, writeback = _staged(t)
@@ -266,9 +268,9 @@ class TorchBackend:
 
         def issue(pg: PG) -> Any:
             if src is None:
-                w = pg.recv_anysource([work], tag)
+                w = pg.recv_anysource([_real(work)], tag)
             else:
-                w = pg.recv([work], group.ranks.index(src), tag)
+                w = pg.recv([_real(work)], group.ranks.index(src), tag)
             holder.append(w)
             return w
 
@@ -307,6 +309,20 @@ def _shut_down(fut: asyncio.Future[PG]) -> None:
             fut.result().shutdown()
         except Exception:
             log.debug("shutting a process group down failed", exc_info=True)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the real one of its memory (gloo has no complex types), as
+    torch.distributed hands it to gloo; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _check_complex_op(backend: str, t: torch.Tensor, op: ReduceOp) -> None:
+    # (a complex product is no product of the real and imaginary parts: the real view
+    # would give a wrong value; torch refuses it too)
+    if t.is_complex() and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"ReduceOp.{op.name} on complex tensors is not supported by the {backend} backend "
+                         "(SUM and AVG are; actorgrad's own backend also does PRODUCT)")
 
 
 def _aliased(t: torch.Tensor, tensors: list[torch.Tensor], mine: int) -> bool:
