@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import enum
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -93,19 +94,28 @@ class Work:
     def __await__(self) -> Generator[Any, None, bool]:
         return self.wait().__await__()
 
-    async def wait(self, timeout: float | None = None) -> bool:
+    async def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Wait until the operation finished; raises its error. Returns True (as torch).
 
         Args:
-            timeout: seconds to wait at most (``None``: the operation's own deadline);
-                on expiry ``TimeoutError`` is raised and the operation keeps running.
+            timeout: seconds (or a ``timedelta``, as torch's ``Work.wait`` takes) to wait
+                at most (``None``: the operation's own deadline); on expiry
+                ``TimeoutError`` is raised and the operation keeps running.
         """
         if timeout is None:
             await asyncio.shield(self._future)
-        else:
-            check_timeout(timeout, meaning="")
+            return True
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        check_timeout(timeout, meaning="")
+        try:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(self._future)
+        except TimeoutError:
+            if self._future.done():  # (it finished as the time ran out)
+                raise
+            raise TimeoutError(f"the operation did not finish within {timeout:g}s (it goes on; "
+                               "wait again for it)") from None
         return True
 
     def is_completed(self) -> bool:

@@ -231,6 +231,28 @@ async def test_receives_posted_ahead_leave_the_pool_free(world4: InProcessGroup)
     assert results[0] == [[float(i)] * 2 for i in range(20)]
 
 
+async def test_a_wait_takes_a_timedelta_and_says_what_timed_out(world4: InProcessGroup) -> None:
+    # (torch's Work.wait takes a timedelta: ours raised TypeError; an expired wait
+    # raised a TimeoutError with no message)
+    import datetime
+
+    async def body(rank: int) -> str:
+        if rank == 1:
+            work = C.irecv(torch.zeros(1), src=0)
+            with pytest.raises(TimeoutError) as expired:
+                await work.wait(timeout=datetime.timedelta(milliseconds=50))
+            await C.send(torch.ones(1), dst=0, tag=1)  # now rank 0 sends
+            assert await work.wait(timeout=datetime.timedelta(seconds=10))
+            return str(expired.value)
+        if rank == 0:
+            await C.recv(torch.zeros(1), src=1, tag=1)
+            await C.send(torch.ones(1), dst=1)
+        return ""
+
+    results = await run_all(world4, body)
+    assert "did not finish within 0.05s" in results[1], results[1]
+
+
 async def test_wait_and_init_timeouts_must_be_numbers(world4: InProcessGroup) -> None:
     async def body(rank: int) -> None:
         if rank > 1:
