@@ -3,7 +3,6 @@
 A contextvar holds the current worker, so several workers can live in one process (each
 handler runs in its worker's context). Code outside any worker's context (a notebook
 cell, a thread) falls back to the only worker of the process, if there is exactly one.
-Code whose context names a worker that was shut down has none.
 """
 
 from __future__ import annotations
@@ -77,17 +76,8 @@ def running_here(name: str) -> bool:
 def get_worker() -> Worker:
     """The worker of the calling code; raises if RPC is not initialized."""
     worker = current_worker.get()
-    if worker is not None:
-        if not worker.closed:
-            return worker
-        # A task started while that worker ran (its context names it) must not quietly
-        # talk to a group formed since: it would run its calls on another group's
-        # workers. (Shutting a worker down clears it from the context that did so.)
-        raise RuntimeError(
-            f"RPC is not initialized here: this code's worker {worker.name!r} was shut down "
-            "(a task started before that keeps its worker, and is not moved to a group "
-            "started since)"
-        )
+    if worker is not None and not worker.closed:
+        return worker
     if _default and not _default[0].closed:
         return _default[0]
     live = [w for w in _live_workers if not w.closed]

@@ -1262,35 +1262,6 @@ async def test_shutdown_called_by_a_remote_function_finishes_its_cleanup(group2)
     assert worker1.closed and worker1._pool._closed  # its own task was cancelled midway
 
 
-def _which_group() -> str:
-    return get_worker().name + ":" + str(id(get_worker()))
-
-
-async def test_a_task_of_a_group_shut_down_does_not_call_into_the_next_one():
-    # (a task started while group A ran, e.g. by an earlier test on the same loop,
-    # ran its calls on group B's workers once B formed, silently)
-    from actorgrad.testing import start_in_process
-
-    first = await start_in_process(2)
-    go = asyncio.Event()
-
-    async def left_behind() -> str:
-        await go.wait()
-        return await ag.rpc_async("worker1", _which_group)
-
-    task = asyncio.ensure_future(left_behind())
-    await first.shutdown()
-    second = await start_in_process(2)
-    try:
-        go.set()
-        with pytest.raises(RuntimeError, match="worker 'worker0' was shut down"):
-            await task
-        # code of this context (it shut the first group down) uses the second group
-        assert await ag.rpc_async("worker1", _which_group) == f"worker1:{id(second.workers[1])}"
-    finally:
-        await second.shutdown()
-
-
 async def test_leaving_a_trace_block_after_shutdown(group2):
     with ag.trace():
         await group2.shutdown()  # (raised: RPC is not initialized)
