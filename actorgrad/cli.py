@@ -585,6 +585,8 @@ def launch(
                     exited = watch.exited(_POLL_INTERVAL_S)
                     done += len(exited)
                     failed += [r for r in exited if r.proc.returncode != 0]
+                if signals.received:
+                    continue  # stopped as any signal stops them (Ctrl-C: SIGINT, at once)
                 others = [r for r in ranks if r.proc.poll() is None]
                 if others:
                     _say(err, f"terminating {len(others)} remaining rank(s): "

@@ -296,8 +296,9 @@ class TorchBackend:
             _shut_down(fut)
         self.pgs.clear()
         self.store = None
-        # the waits end with their process groups; a thread still holding tensors when
-        # the interpreter exits can abort it inside torch's destructors
+        # most waits end with their process groups (a receive from a peer that still
+        # lives does not: gloo has no way to withdraw it); a thread still holding
+        # tensors when the interpreter exits can abort it inside torch's destructors
         deadline = time.monotonic() + _JOIN_WAITS_S
         for thread in list(self._waiting):
             thread.join(max(0.0, deadline - time.monotonic()))

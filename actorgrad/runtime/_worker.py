@@ -87,7 +87,7 @@ _REFUSED_GRACE_S = 1.0
 # A Goodbye that starts so tells the peers the error the program stopped on; the reason
 # travels in a control frame, which must stay small.
 _STOPPED_ON_ERROR = "it stopped on an error: "
-_STOP_REASON_CHARS = 800  # (4 bytes a character at most: under the 4 KiB of a control frame)
+_STOP_REASON_BYTES = 1000
 
 Handler = Callable[[PeerProtocol, Payload], "Payload | Awaitable[Payload] | None"]
 PeerRef = str | int | WorkerInfo
@@ -713,7 +713,7 @@ class Worker:
             elif isinstance(msg, Goodbye):
                 peer.leaving = True
                 if msg.reason.startswith(_STOPPED_ON_ERROR):
-                    peer.left_on_error = msg.reason[:_STOP_REASON_CHARS]
+                    peer.left_on_error = msg.reason[:_STOP_REASON_BYTES]
         finally:
             _current.current_worker.reset(token)
 
@@ -1088,7 +1088,11 @@ class Worker:
             text = f"{type(exc).__qualname__}: {exc}" if str(exc) else type(exc).__qualname__
         except Exception:  # a user's exception whose str() fails
             text = type(exc).__qualname__
-        self.stop_reason = (_STOPPED_ON_ERROR + text)[:_STOP_REASON_CHARS]
+        # (whole characters within the bytes a control frame carries; a lone surrogate,
+        # from an undecodable path, escaped: it cannot be encoded, and the Goodbye
+        # would not go out at all)
+        raw = (_STOPPED_ON_ERROR + text).encode("utf-8", "backslashreplace")[:_STOP_REASON_BYTES]
+        self.stop_reason = raw.decode("utf-8", "ignore")
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop this worker. Graceful: wait until no worker has outstanding work first.

@@ -107,7 +107,7 @@ def _encode(msg: Message) -> list[bytes | bytearray | memoryview]:
         case Heartbeat(ping=ping):
             return encode_frame(Kind.HEARTBEAT, 0, b"\x01" if ping else b"")
         case Goodbye(reason=reason):
-            return encode_frame(Kind.GOODBYE, 0, reason.encode()[:1024])
+            return encode_frame(Kind.GOODBYE, 0, reason.encode(errors="backslashreplace")[:1024])
         case Cancel(request_id=rid):
             return encode_frame(Kind.CANCEL, rid, b"")
         case Call(request_id=rid, target=target, payload=p):

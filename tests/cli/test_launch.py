@@ -353,6 +353,20 @@ def test_a_rank_that_fails_while_serving_is_heard_from() -> None:
     assert "terminating" not in err
 
 
+def test_ctrl_c_while_the_others_are_given_time_to_exit(tmp_path: Path) -> None:
+    """A Ctrl-C after a rank failed, while the others have a few seconds to exit, stops
+    them as a Ctrl-C does (it only ended that wait, unreported, and the ranks got
+    SIGTERM; a second Ctrl-C then did not count as one)."""
+    with _launcher(["launch", "--nproc", "2", str(SCRIPTS / "fails_then_waits.py"), str(tmp_path)]) as proc:
+        _wait_for_pid_files(tmp_path, ["rank1.pid"], timeout=20)
+        time.sleep(0.5)  # rank 0 has failed: the launcher waits for rank 1
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=20)
+    assert "rank 0 exited with code 3; the other rank(s) have 3s to exit" in err, err
+    assert "received SIGINT; stopping all 2 ranks" in err, err
+    assert proc.returncode == 128 + signal.SIGINT
+
+
 def test_an_unfinished_line_is_shown_while_its_rank_waits(tmp_path: Path) -> None:
     """A prompt or a progress bar without a newline reaches the screen before the
     rest of its line (it was held back until the rank ended)."""

@@ -1262,6 +1262,26 @@ async def test_shutdown_called_by_a_remote_function_finishes_its_cleanup(group2)
     assert worker1.closed and worker1._pool._closed  # its own task was cancelled midway
 
 
+@pytest.mark.parametrize("message", ["cannot read /data/caf\udce9.bin", "\u00e9\U0001f642" * 3000])
+async def test_a_worker_stopped_on_an_error_tells_its_peers(group2, message):
+    # (a lone surrogate, from an undecodable path, could not be encoded: no Goodbye went
+    # out at all; a long message was cut inside a character)
+    seen: list[str] = []
+    group2.workers[0].add_lost_listener(lambda name, rank, reason: seen.append(reason))
+    worker1 = group2.workers[1]
+    worker1.set_stopped_on(ValueError(message))
+    await group2.run_as(1, worker1.shutdown, False)
+    for _ in range(100):
+        if seen:
+            break
+        await asyncio.sleep(0.02)
+    assert len(seen) == 1, seen
+    assert seen[0].startswith("connection closed (it stopped on an error: ValueError: "), seen
+    assert "\ufffd" not in seen[0]
+    if "caf" in message:
+        assert seen[0].endswith("cannot read /data/caf\\udce9.bin)"), seen
+
+
 async def test_leaving_a_trace_block_after_shutdown(group2):
     with ag.trace():
         await group2.shutdown()  # (raised: RPC is not initialized)
