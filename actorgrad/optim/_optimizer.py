@@ -239,6 +239,12 @@ class DistributedOptimizer:
         Raises:
             ContextError: ``context_id`` is not a live context of this worker.
         """
+        if self._worker.closed:
+            # (its contexts are gone: the error read as if the live context did not exist)
+            raise RuntimeError(
+                f"this DistributedOptimizer belongs to {self._worker.name} of a group that was shut "
+                "down; make a new one for the parameters of the current group"
+            )
         _context.context_actor(self._worker).get(context_id)
         if self._creation is not None:
             # shielded: a step given up here (a timeout) must not cancel the creation

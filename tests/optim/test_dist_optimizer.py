@@ -156,6 +156,18 @@ async def test_step_with_unknown_context_raises(group2):
     torch.testing.assert_close(await rref.to_here(), before)
 
 
+async def test_an_optimizer_of_a_group_shut_down_says_so(make_group):
+    # (its step in a later group read 'autograd context 1 does not exist on worker0'
+    # while that context was live: the optimizer looked in its own, closed worker)
+    first = await make_group(2)
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, [ag.remote("worker1", make_param, args=(7,))], lr=0.1)
+    await first.shutdown()
+    await make_group(2)
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(RuntimeError, match="belongs to worker0 of a group that was shut down"):
+            await opt.step(context_id)
+
+
 async def test_owner_that_took_no_part_in_the_context_keeps_its_params(group3):
     # an unused branch (or expert) on worker2: torch's step leaves it alone
     used = ag.remote("worker1", make_param, args=(21,))
