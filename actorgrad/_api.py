@@ -89,6 +89,8 @@ def _freeze_long_lived() -> None:
 def _check_init_args(name: object, rank: object, world_size: object, init_method: object,
                      options: object) -> None:
     """Name the argument of the wrong type, as torch's init_rpc does."""
+    if isinstance(options, RpcOptions):
+        options.validate()  # (fields may have been set since it was made)
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     for arg, value in (("rank", rank), ("world_size", world_size)):

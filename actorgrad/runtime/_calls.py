@@ -91,6 +91,8 @@ class PendingCalls:
 
     def add(self, peer: PeerProtocol, decode: Callable[[Payload], Any] | None, limit: float) -> CallFuture:
         """A new call to ``peer`` failing after ``limit`` seconds (0: never)."""
+        deadline = self.loop.time() + limit if limit > 0 else None  # (a bad limit raises here,
+        # before anything is registered that nobody would ever answer)
         request_id = self._next_id
         self._next_id += 1
         future = CallFuture(loop=self.loop)
@@ -100,8 +102,8 @@ class PendingCalls:
         future.table = self
         self.futures[request_id] = future
         peer.outstanding.add(request_id)
-        if limit > 0:
-            self._add_deadline(self.loop.time() + limit, request_id, limit)
+        if deadline is not None:
+            self._add_deadline(deadline, request_id, limit)
         return future
 
     def pop(self, request_id: int) -> CallFuture | None:

@@ -40,7 +40,8 @@ class RpcOptions:
             (waits for other calls, a lock) holds one for as long as it waits.
         heartbeat_interval / heartbeat_timeout: an idle connection is pinged every
             interval; a peer silent for longer than the timeout while calls to it are
-            outstanding is declared lost.
+            outstanding is declared lost (never before two intervals: it has at
+            least one to answer a ping).
         init_timeout: bound on the rendezvous.
         shutdown_timeout: how long a graceful shutdown waits for peers that have gone
             silent (no message, no answer to heartbeats) before it closes anyway. A
@@ -92,6 +93,11 @@ class RpcOptions:
     socket_buffer_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise TypeError/ValueError naming a field of the wrong type or value; also
+        run by ``init_rpc``, for fields set after construction."""
         # (name, least value, whether the least value itself is allowed, whole numbers only)
         for name, least, inclusive, whole in (
             ("rpc_timeout", 0, True, False),  # 0: no limit

@@ -999,6 +999,10 @@ class Worker:
 
     async def _heartbeats(self) -> None:
         interval = self.options.heartbeat_interval
+        # a peer is pinged once silent for an interval: judged no sooner than an
+        # interval after that (a timeout under the interval declared a peer that was
+        # busy serving a call lost in the very tick that first pinged it)
+        limit = max(self.options.heartbeat_timeout, 2 * interval)
         last = time.monotonic()
         while not self.closed:
             await asyncio.sleep(interval)
@@ -1012,7 +1016,7 @@ class Worker:
                         peer.send(Heartbeat(ping=True))
                 if stalled_here:
                     peer.last_received = peer.stall_since = now
-                elif peer.outstanding and silent > self.options.heartbeat_timeout:
+                elif peer.outstanding and silent > limit:
                     peer.abort(f"no message for {silent:.1f}s (heartbeat timeout)")
                 elif peer.write_paused:
                     self._check_write_stall(peer, now)

@@ -409,6 +409,31 @@ def test_rpc_options_refuse_values_that_would_break_the_worker(kwargs, error, na
     assert ag.RpcOptions(trace=np.bool_(False), local_sockets=0, auth_key=bytearray(b"k")).auth_key == b"k"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [("rpc_timeout", "5", TypeError), ("rpc_timeout", -1, ValueError), ("num_worker_threads", 0, ValueError),
+     ("autograd_mode", "slow", ValueError)])
+async def test_rpc_options_changed_after_they_were_made_are_checked_by_init_rpc(field, value, error):
+    # (a field set on the dataclass later went unchecked: with rpc_timeout = "5", init_rpc
+    # succeeded, every call raised a TypeError from inside, and shutdown hung on them)
+    options = ag.RpcOptions()
+    setattr(options, field, value)
+    with pytest.raises(error, match=f"RpcOptions.{field}|{field} must"):
+        await ag.init_rpc("w", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
+                          options=options)
+
+
+async def test_a_call_refused_for_its_timeout_leaves_nothing_to_wait_for(group2):
+    worker = group2.workers[0]
+    before = len(worker._pending)
+    worker.options.rpc_timeout = "5"  # type: ignore[assignment]  # (past every check)
+    with pytest.raises(TypeError):
+        worker.call(1, "rpc.call", ag.wire.Payload.dump(None), None)
+    worker.options.rpc_timeout = 60.0
+    assert len(worker._pending) == before  # (a graceful shutdown waited on it for good)
+    await asyncio.wait_for(group2.shutdown(), 10)
+
+
 def test_the_auth_key_is_never_printed():
     secret = "a-secret-of-the-group"
     assert secret not in repr(ag.RpcOptions(auth_key=secret)) and secret not in str(ag.RpcOptions(auth_key=secret))
@@ -883,6 +908,18 @@ async def test_heartbeat_timeout_does_not_kill_healthy_busy_peer(make_process_gr
         return "woke"
 
     assert await ag.rpc_async("worker1", remote_sleep, args=(3.0,), timeout=10) == "woke"
+
+
+async def test_a_heartbeat_timeout_under_the_interval_still_lets_a_peer_answer(make_group):
+    # (a peer was declared lost in the very tick that first pinged it: raising only the
+    # interval, above the default timeout, lost every worker serving a long call)
+    await make_group(2, ag.RpcOptions(heartbeat_interval=0.3, heartbeat_timeout=0.1))
+
+    def remote_sleep(seconds: float) -> str:
+        time.sleep(seconds)
+        return "woke"
+
+    assert await ag.rpc_async("worker1", remote_sleep, args=(1.5,), timeout=10) == "woke"
 
 
 @pytest.mark.slow
