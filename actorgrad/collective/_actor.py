@@ -117,6 +117,8 @@ class CollectiveActor:
         self._p2p_acks: dict[int, tuple[int, asyncio.Future[None], asyncio.TimerHandle | None]] = {}
         self._ack_ids = itertools.count(1)
         self._lost: dict[int, str] = {}
+        # ranks that number groups otherwise: from which group id on, and why
+        self._apart: dict[int, tuple[int, str]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._sigs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.closed = False
@@ -138,7 +140,40 @@ class CollectiveActor:
         self._next_gid += 1
         group = Group(gid, ranks, backend)
         self.groups[gid] = group
+        for (early_gid, seq), messages in list(self._early.items()):
+            for message in messages:
+                if early_gid == gid and message[0] not in ranks:
+                    self._numbered_apart(message[0], gid, seq, group)
         return group
+
+    def _numbered_apart(self, src: int, gid: int, seq: int, group: Group) -> None:
+        """``src`` sent a message for group ``gid``, of which it is no member here: the
+        ranks number their groups apart (one skipped a new_group call). Every operation
+        that waits for ``src`` would wait for its timeout, then blame a member that did
+        call it: they fail now, naming the cause, and ``src`` learns it too."""
+        text = (f"rank {src} sent a collective message for group {gid}, whose members on rank "
+                f"{self.worker.rank} are {list(group.ranks)}: the ranks number their groups apart. "
+                "new_group numbers groups in the order it is called: every rank must call it for "
+                "every group, in the same order, members or not (as torch.distributed.new_group)")
+        # (groups made before the skipped call, the world among them, are numbered alike)
+        if src not in self._apart:
+            log.error("%s", text)
+            _ops.send_fail(self.worker, src, gid, seq, text.encode())
+        if src not in self._apart or gid < self._apart[src][0]:
+            self._apart[src] = (gid, text)
+        for op in list(self._ops.values()):
+            if self._numbered_apart_from(op) is not None:
+                error = CollectiveError(f"{op.what()}: {text}")
+                op.fail(error)
+                self._tell_failed(op, str(error))  # (what it sent must not complete theirs)
+
+    def _numbered_apart_from(self, op: Op) -> str | None:
+        """Why a member of ``op``'s group numbers groups otherwise, if one does."""
+        for r in op.members:
+            apart = self._apart.get(r)
+            if apart is not None and op.gid >= apart[0]:
+                return apart[1]
+        return None
 
     def destroy_group(self, group: Group) -> None:
         """Free ``group``'s state here (torch's ``destroy_process_group(group)``): its
@@ -199,8 +234,13 @@ class CollectiveActor:
         self._ops[key] = op
         gone = [r for r in op.members if r in self._lost] if self._lost else None
         early = self._early.pop(key, None) if self._early else None
+        apart = self._numbered_apart_from(op) if self._apart else None
         if self.closed:
             op.fail(CollectiveError(f"{op.what()}: {self.worker.name} is shut down"))
+        elif apart:
+            error = CollectiveError(f"{op.what()}: {apart}")
+            op.fail(error)
+            self._tell_failed(op, str(error))
         elif gone:
             op.fail(CollectiveRankLost(
                 f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
@@ -269,6 +309,10 @@ class CollectiveActor:
             data = ref  # small data travels inside the header
         else:
             data = self._remote(peer.rank, ref)
+        group = self.groups.get(gid)
+        if group is not None and peer.rank not in group.ranks:
+            self._numbered_apart(peer.rank, gid, seq, group)
+            return
         op = self._ops.get((gid, seq))
         if op is not None:
             op.receive(peer.rank, kind, a, b, sig, ack, data)

@@ -116,6 +116,39 @@ async def test_recv_of_the_wrong_shape_raises_on_both_sides(make_group: object) 
     assert all(isinstance(r, CollectiveError) and "shape" in str(r) for r in results), results
 
 
+async def test_a_rank_that_skipped_new_group_is_named_at_once(make_group: object) -> None:
+    # (rank 2 made only the group it is in, so its ids ran one behind: the members of
+    # [1, 2] waited their whole timeout and then asked 'did every member call it?')
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def body(rank: int) -> Any:
+        if rank != 2:
+            C.new_group([0, 1])
+        pair = C.new_group([1, 2])
+        if rank == 0:
+            return None
+        t = torch.ones(2)
+        try:
+            await C.all_reduce(t, group=pair)
+        except CollectiveError as exc:
+            return str(exc)
+        return t.tolist()
+
+    start = time.monotonic()
+    results = await run_all(group, body, timeout=30)
+    assert time.monotonic() - start < 10
+    for rank in (1, 2):
+        assert "the ranks number their groups apart" in results[rank], results[rank]
+        assert "rank 2 sent a collective message for group 1" in results[rank], results[rank]
+
+    async def world(rank: int) -> list[float]:  # numbered alike: it goes on working
+        t = torch.full((2,), float(rank))
+        await C.all_reduce(t)
+        return t.tolist()
+
+    assert await run_all(group, world) == [[3.0, 3.0]] * 3
+
+
 async def test_deadline(make_group: object) -> None:
     group: InProcessGroup = await make_group(2)  # type: ignore[operator]
     await run_all(group, _set_timeout)
