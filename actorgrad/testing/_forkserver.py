@@ -247,6 +247,7 @@ class ForkServer:
                     ident, code = rest.split()
                     self.exits[int(ident)] = int(code)
                 self.changed.notify_all()
+        self.process.stdout.close()  # (at its end: left to the collector, it warned at exit)
         with self.changed:
             self.ended = True
             self.changed.notify_all()
