@@ -999,13 +999,13 @@ class Worker:
 
     async def _heartbeats(self) -> None:
         interval = self.options.heartbeat_interval
-        # a peer is pinged once silent for an interval: judged no sooner than an
-        # interval after that (a timeout under the interval declared a peer that was
-        # busy serving a call lost in the very tick that first pinged it)
-        limit = max(self.options.heartbeat_timeout, 2 * interval)
         last = time.monotonic()
         while not self.closed:
             await asyncio.sleep(interval)
+            # a peer is pinged once silent for an interval: judged no sooner than an
+            # interval after that (a timeout under the interval declared a peer that
+            # was busy serving a call lost in the very tick that first pinged it)
+            limit = max(self.options.heartbeat_timeout, 2 * interval)
             now = time.monotonic()
             stalled_here = now - last > 2 * interval  # our own loop was blocked
             last = now
