@@ -134,37 +134,30 @@ class TorchBackend:
             except Exception as exc:
                 finish(exc)
                 return
-            if blocking:
-                # gloo's send and recv have no future, only a blocking wait. Each waits
-                # on a thread of its own, not the worker's pool: sixteen receives
-                # posted ahead (a server waiting on its clients) would hold every pool
-                # thread, and no remote function could run until one completed.
-                def wait() -> None:
-                    try:
-                        work.wait()
-                        error = None
-                    except Exception as exc:
-                        error = exc
-                    with contextlib.suppress(RuntimeError):  # the loop is closed
-                        self.loop.call_soon_threadsafe(finish, error)
-                    self._waiting.discard(threading.current_thread())
-
-                thread = threading.Thread(target=wait, name=f"actorgrad-{self.name}-p2p", daemon=True)
-                self._waiting.add(thread)
-                thread.start()
-                return
-            fut = work.get_future()
-
-            def done(tf: Any) -> None:
+            def settle(outcome: Callable[[], Any]) -> None:
+                """On whichever thread the work ends: hand its outcome to the loop."""
                 try:
-                    tf.value()
+                    outcome()
                     error = None
                 except Exception as exc:
                     error = exc
                 with contextlib.suppress(RuntimeError):  # the loop is closed
                     self.loop.call_soon_threadsafe(finish, error)
 
-            fut.add_done_callback(done)
+            if blocking:
+                # gloo's send and recv have no future, only a blocking wait. Each waits
+                # on a thread of its own, not the worker's pool: sixteen receives
+                # posted ahead (a server waiting on its clients) would hold every pool
+                # thread, and no remote function could run until one completed.
+                def wait() -> None:
+                    settle(work.wait)
+                    self._waiting.discard(threading.current_thread())
+
+                thread = threading.Thread(target=wait, name=f"actorgrad-{self.name}-p2p", daemon=True)
+                self._waiting.add(thread)
+                thread.start()
+                return
+            work.get_future().add_done_callback(lambda done: settle(done.value))
 
         queued = self._queued.get(group.id)
         if pg_future.done() and queued is None:
