@@ -119,6 +119,8 @@ class CollectiveActor:
         self._lost: dict[int, str] = {}
         # ranks that number groups otherwise: from which group id on, and why
         self._apart: dict[int, tuple[int, str]] = {}
+        # groups whose members may pair their calls apart: after which sequence number, why
+        self._out_of_step: dict[int, tuple[int, str]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._sigs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.closed = False
@@ -198,6 +200,7 @@ class CollectiveActor:
                 if not recv.future.done():
                     recv.future.set_exception(CollectiveError(error))
         self._seq.pop(gid, None)
+        self._out_of_step.pop(gid, None)
         self.groups.pop(gid, None)
         self.arenas.forget(gid)
         if self.torch is not None:
@@ -235,12 +238,17 @@ class CollectiveActor:
         gone = [r for r in op.members if r in self._lost] if self._lost else None
         early = self._early.pop(key, None) if self._early else None
         apart = self._numbered_apart_from(op) if self._apart else None
+        out_of_step = self._out_of_step.get(op.gid) if self._out_of_step else None
+        if out_of_step is not None and op.seq <= out_of_step[0]:
+            out_of_step = None
         if self.closed:
             op.fail(CollectiveError(f"{op.what()}: {self.worker.name} is shut down"))
         elif apart:
             error = CollectiveError(f"{op.what()}: {apart}")
             op.fail(error)
             self._tell_failed(op, str(error))
+        elif out_of_step is not None:
+            op.fail(CollectiveError(f"{op.what()}: {out_of_step[1]}"))  # (every member knows)
         elif gone:
             op.fail(CollectiveRankLost(
                 f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
@@ -266,6 +274,29 @@ class CollectiveActor:
                 # waiting for it until their deadline
                 self._tell_failed(op, f"{type(exc).__name__}: {exc}")
         return op.future
+
+    def _out_of_step_from(self, op: Op, absent: list[int]) -> None:
+        """``op`` timed out before ``absent`` entered it. Whether they come to it late or
+        never called it (then their next call would take its place, and every later one
+        would pair with the call before it on this rank, with matching signatures: wrong
+        values) nobody can tell. The group's later collectives fail, on every member."""
+        text = (f"group {op.gid} is out of step since {op.what()} timed out on rank "
+                f"{self.worker.rank} before ranks {absent} called it: its members may no longer "
+                "pair their calls alike (a rank that called a collective the others did not "
+                "call runs one ahead of them). Destroy the group and make a new one"
+                + ("; the world group cannot be made again: start over" if op.gid == 0 else ""))
+        self._set_out_of_step(op.gid, op.seq, text)
+        for r in op.members:
+            if r != self.worker.rank:
+                _ops.send_note(self.worker, r, op.gid, op.seq, _ops.K_OUT_OF_STEP, text.encode())
+
+    def _set_out_of_step(self, gid: int, seq: int, text: str) -> None:
+        if gid in self._out_of_step or gid not in self.groups:
+            return
+        self._out_of_step[gid] = (seq, text)
+        for op in list(self._ops.values()):
+            if op.gid == gid and op.seq > seq:
+                op.fail(CollectiveError(f"{op.what()}: {text}"))
 
     def _tell_failed(self, op: Op, text: str) -> None:
         """Tell the other members that ``op`` failed here (they fail it at once)."""
@@ -297,6 +328,8 @@ class CollectiveActor:
                 # a member that comes late must not complete it with what this rank sent
                 # before it gave up: one rank would take a step the others did not
                 self._tell_failed(op, str(error))
+                if absent := op.absent():
+                    self._out_of_step_from(op, absent)
         if self._ops and not self.closed:
             limit = self.deadline() or 1.0
             self._sweeper = self.loop.call_later(min(1.0, max(0.02, limit / 4)), self._sweep)
@@ -312,6 +345,9 @@ class CollectiveActor:
         group = self.groups.get(gid)
         if group is not None and peer.rank not in group.ranks:
             self._numbered_apart(peer.rank, gid, seq, group)
+            return
+        if kind == _ops.K_OUT_OF_STEP:
+            self._set_out_of_step(gid, seq, bytes(data).decode(errors="replace"))
             return
         op = self._ops.get((gid, seq))
         if op is not None:

@@ -72,6 +72,7 @@ K_ROOT = 4  # ring reduce: a = segment, b = chunk, sent to the root
 K_CHAIN = 5  # chain broadcast: b = chunk
 K_ACK = 6  # "I have all my data" answer to a flagged message
 K_FAIL = 7  # the operation failed on the sender: ref is the error text (utf-8)
+K_OUT_OF_STEP = 8  # the group is out of step from this operation on: ref is why (utf-8)
 
 INLINE_MAX_BYTES = 8 << 10  # smaller data travels inside the pickled header
 CMA_MIN_BYTES = 64 << 10  # larger data goes through CMA where the peer can use it
@@ -398,6 +399,10 @@ class Op:
             "collectives in the same order with matching tensors"
         )
 
+    def absent(self) -> list[int]:
+        """The members that have not entered this operation (as far as this rank knows)."""
+        return sorted(self.missing)
+
     def waiting_for(self) -> str:
         if self.missing:
             return f"the signatures of ranks {sorted(self.missing)}"
@@ -607,6 +612,11 @@ class ArenaAllReduce(Op):
             return
         Op.receive(self, src, kind, a, b, sig, ack, data)
 
+    def absent(self) -> list[int]:
+        if not self.written:  # a member is behind on an earlier one
+            return [r for r in self.members if r != self.rank]
+        return [self.members[r] for r in self.arena.missing(self.seq)]
+
     def waiting_for(self) -> str:
         if not self.written:
             return "a free slot in the shared-memory arena (a member is behind)"
@@ -616,7 +626,12 @@ class ArenaAllReduce(Op):
 
 def send_fail(worker: Any, dst: int, gid: int, seq: int, text: bytes) -> None:
     """Tell ``dst`` that operation (gid, seq) failed here (best effort)."""
-    header = (gid, seq, K_FAIL, 0, 0, None, False, text)
+    send_note(worker, dst, gid, seq, K_FAIL, text)
+
+
+def send_note(worker: Any, dst: int, gid: int, seq: int, kind: int, text: bytes) -> None:
+    """Tell ``dst`` something about operation (gid, seq) in a text (best effort)."""
+    header = (gid, seq, kind, 0, 0, None, False, text)
     with contextlib.suppress(Exception):  # a peer that is gone has nothing to learn
         worker.tell(dst, MSG_TARGET, Payload(pickle.dumps(header, protocol=5)))
 

@@ -166,27 +166,70 @@ async def _set_timeout(rank: int) -> None:
 async def test_a_rank_that_timed_out_fails_the_late_rank_too(make_group: object, numel: int) -> None:
     """Rank 1 gives up on an all-reduce rank 0 comes to late: rank 0's call must fail too
     (it used to complete with rank 1's contribution, so one rank took a step the other
-    did not), and the group's next collectives pair up alike on both."""
+    did not). Nobody can tell a late rank from one that never called it, so the group's
+    later collectives fail on both (see the next test); a group made anew works."""
     group: InProcessGroup = await make_group(2)  # type: ignore[operator]
     await run_all(group, _set_timeout)
 
-    async def body(rank: int) -> tuple[str, float]:
+    async def body(rank: int) -> tuple[str, str, float, float]:
+        pair = C.new_group([0, 1])
         if rank == 0:
             await asyncio.sleep(0.8)  # past rank 1's deadline
         try:
-            await C.all_reduce(torch.ones(numel))
+            await C.all_reduce(torch.ones(numel), group=pair)
             outcome = "ok"
         except CollectiveError as exc:
             outcome = f"CollectiveError: {exc}"
         await asyncio.sleep(0.6 if rank == 1 else 0.0)  # both come to the next one in time
+        try:
+            await C.all_reduce(torch.ones(numel), group=pair)
+            next_one = "ok"
+        except CollectiveError as exc:
+            next_one = str(exc)
+        C.destroy_process_group(pair)
+        again = C.new_group([0, 1])
         after = torch.full((numel,), float(rank + 1))
-        await C.all_reduce(after)
-        return outcome, after[0].item()
+        await C.all_reduce(after, group=again)
+        world = torch.full((numel,), float(rank + 1))
+        await C.all_reduce(world)  # another group: unaffected
+        return outcome, next_one, after[0].item(), world[0].item()
 
     results = await run_all(group, body, timeout=30)
-    for outcome, after in results:
+    for outcome, next_one, after, world in results:
         assert outcome.startswith("CollectiveError") and "timed out" in outcome, results
-        assert after == 3.0, results
+        assert "is out of step since" in next_one, results
+        assert after == 3.0 and world == 3.0, results
+
+
+@pytest.mark.parametrize("numel", [1, 3000, 300_000], ids=["arena", "direct", "ring"])
+async def test_a_collective_one_rank_called_alone_never_pairs_the_others_calls_apart(
+        make_group: object, numel: int) -> None:
+    # (rank 0 called one all-reduce the others did not; it timed out, the others' next
+    # one failed with its error, and from then on rank 0's step k was reduced with the
+    # others' step k + 1: wrong values on every rank, with matching signatures)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+
+    async def body(rank: int) -> list[str]:
+        if rank == 0:
+            with pytest.raises(CollectiveError, match="timed out"):
+                await C.all_reduce(torch.ones(numel))
+        else:
+            await asyncio.sleep(0.6)
+        outcomes = []
+        for step in range(3):
+            t = torch.full((numel,), float(10 * (step + 1) + rank))
+            try:
+                await C.all_reduce(t)
+                outcomes.append(f"value {t[0].item()}")
+            except CollectiveError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    results = await run_all(group, body, timeout=30)
+    for rank, outcomes in enumerate(results):
+        assert not any(o.startswith("value") for o in outcomes), (rank, outcomes)
+        assert all("out of step" in o for o in outcomes[1:]), (rank, outcomes)
 
 
 async def test_a_local_failure_inside_a_collective_fails_the_others_at_once(
