@@ -143,12 +143,17 @@ class CollectiveActor:
         group = Group(gid, ranks, backend)
         self.groups[gid] = group
         for (early_gid, seq), messages in list(self._early.items()):
-            for message in messages:
-                if early_gid == gid and message[0] not in ranks:
-                    self._numbered_apart(message[0], gid, seq, group)
+            if early_gid != gid:
+                continue
+            strangers = [m for m in messages if m[0] not in ranks]
+            if strangers:
+                # (kept, they would be fed to this group's operation of that number)
+                self._early[(gid, seq)] = [m for m in messages if m[0] in ranks]
+                for message in strangers:
+                    self._numbered_apart(message[0], gid, seq, group, first_of_op=message[4] is not None)
         return group
 
-    def _numbered_apart(self, src: int, gid: int, seq: int, group: Group) -> None:
+    def _numbered_apart(self, src: int, gid: int, seq: int, group: Group, first_of_op: bool = True) -> None:
         """``src`` sent a message for group ``gid``, of which it is no member here: the
         ranks number their groups apart (one skipped a new_group call). Every operation
         that waits for ``src`` would wait for its timeout, then blame a member that did
@@ -160,6 +165,7 @@ class CollectiveActor:
         # (groups made before the skipped call, the world among them, are numbered alike)
         if src not in self._apart:
             log.error("%s", text)
+        if first_of_op:  # (its first message, with its signature: answered once an operation)
             _ops.send_fail(self.worker, src, gid, seq, text.encode())
         if src not in self._apart or gid < self._apart[src][0]:
             self._apart[src] = (gid, text)
@@ -344,7 +350,7 @@ class CollectiveActor:
             data = self._remote(peer.rank, ref)
         group = self.groups.get(gid)
         if group is not None and peer.rank not in group.ranks:
-            self._numbered_apart(peer.rank, gid, seq, group)
+            self._numbered_apart(peer.rank, gid, seq, group, first_of_op=sig is not None)
             return
         if kind == _ops.K_OUT_OF_STEP:
             self._set_out_of_step(gid, seq, bytes(data).decode(errors="replace"))

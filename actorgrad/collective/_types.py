@@ -102,11 +102,12 @@ class Work:
                 at most (``None``: the operation's own deadline); on expiry
                 ``TimeoutError`` is raised and the operation keeps running.
         """
+        if isinstance(timeout, datetime.timedelta):
+            # (torch's default, timedelta(0), means no limit)
+            timeout = timeout.total_seconds() or None
         if timeout is None:
             await asyncio.shield(self._future)
             return True
-        if isinstance(timeout, datetime.timedelta):
-            timeout = timeout.total_seconds()
         check_timeout(timeout, meaning="")
         try:
             async with asyncio.timeout(timeout):
@@ -114,7 +115,7 @@ class Work:
         except TimeoutError:
             if self._future.done():  # (it finished as the time ran out)
                 raise
-            raise TimeoutError(f"the operation did not finish within {timeout:g}s (it goes on; "
+            raise TimeoutError(f"the operation did not finish within {float(timeout):g}s (it goes on; "
                                "wait again for it)") from None
         return True
 

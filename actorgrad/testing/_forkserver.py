@@ -375,7 +375,7 @@ def _forget_servers() -> None:
     global _server, _server_lock
     for server in _every_server():
         for pipe in (server.process.stdin, server.process.stdout):
-            if pipe is not None:
+            if pipe is not None and not pipe.closed:  # (closed: retired, or read to its end)
                 with contextlib.suppress(OSError):
                     os.close(pipe.fileno())
     _server, _retired[:], _server_lock = None, [], threading.Lock()

@@ -149,6 +149,37 @@ async def test_a_rank_that_skipped_new_group_is_named_at_once(make_group: object
     assert await run_all(group, world) == [[3.0, 3.0]] * 3
 
 
+async def test_a_rank_numbering_apart_heard_before_the_group_is_made_here(make_group: object) -> None:
+    # rank 2 skipped new_group([0, 1]) and its message for its group 1 ([1, 2]) reaches
+    # rank 1 before rank 1 made its group 1 ([0, 1]): that message was then fed to the
+    # [0, 1] all-reduce, which ranks 0 and 1 number alike ('x not in tuple' on one, a
+    # value on the other); and rank 2's second call waited for its timeout
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+
+    async def body(rank: int) -> dict[str, Any]:
+        if rank == 1:
+            await asyncio.sleep(0.3)
+        first = C.new_group([0, 1]) if rank != 2 else None
+        pair = C.new_group([1, 2])
+        out: dict[str, Any] = {}
+        if rank in (0, 1):
+            t = torch.full((2,), float(rank + 1))
+            await C.all_reduce(t, group=first)
+            out["first"] = t.tolist()
+        if rank in (1, 2):
+            for attempt in range(2):
+                with pytest.raises(CollectiveError, match="number their groups apart"):
+                    await C.all_reduce(torch.ones(2), group=pair)
+                out[f"pair {attempt}"] = "refused"
+        return out
+
+    start = time.monotonic()
+    results = await run_all(group, body, timeout=30)
+    assert time.monotonic() - start < 10
+    assert results[0]["first"] == results[1]["first"] == [3.0, 3.0]
+    assert results[2] == {"pair 0": "refused", "pair 1": "refused"}
+
+
 async def test_deadline(make_group: object) -> None:
     group: InProcessGroup = await make_group(2)  # type: ignore[operator]
     await run_all(group, _set_timeout)

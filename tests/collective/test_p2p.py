@@ -253,6 +253,29 @@ async def test_a_wait_takes_a_timedelta_and_says_what_timed_out(world4: InProces
     assert "did not finish within 0.05s" in results[1], results[1]
 
 
+async def test_a_wait_of_timedelta_zero_has_no_limit_and_any_number_will_do(world4: InProcessGroup) -> None:
+    # (timedelta(0), torch's default for Work.wait, means no limit: it expired at once;
+    # a Fraction's expiry raised a TypeError from the message's format)
+    import datetime
+    import fractions
+
+    async def body(rank: int) -> str:
+        if rank == 0:
+            await asyncio.sleep(0.2)
+            await C.send(torch.ones(1), dst=1)
+        elif rank == 1:
+            assert await C.irecv(torch.zeros(1), src=0).wait(timeout=datetime.timedelta(0))
+            with pytest.raises(TimeoutError, match="within 0.05s"):
+                await C.irecv(torch.zeros(1), src=0, tag=5).wait(timeout=fractions.Fraction(1, 20))
+            await C.send(torch.ones(1), dst=0, tag=6)  # (the receive above stays posted)
+        if rank == 0:
+            await C.recv(torch.zeros(1), src=1, tag=6)
+            await C.send(torch.ones(1), dst=1, tag=5)
+        return "done"
+
+    await run_all(world4, body)
+
+
 async def test_wait_and_init_timeouts_must_be_numbers(world4: InProcessGroup) -> None:
     async def body(rank: int) -> None:
         if rank > 1:

@@ -101,6 +101,27 @@ async def test_a_server_killed_between_groups_is_replaced() -> None:
         await group.shutdown()
 
 
+async def test_a_fork_after_the_server_died_forgets_it_in_the_child() -> None:
+    # (the reader closes the server's stdout once it ended; the child's at-fork handler
+    # then stopped at that closed pipe with a ValueError and kept the parent's servers)
+    await (await local_group(2)).shutdown()
+    server = _forkserver._server
+    assert server is not None
+    os.killpg(server.process.pid, signal.SIGKILL)
+    with server.changed:
+        assert server.changed.wait_for(lambda: server.ended, timeout=10)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports and leaves at once
+        os.close(read)
+        os.write(write, b"1" if _forkserver._server is None and not _forkserver._retired else b"0")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)  # noqa: ASYNC222 - the child leaves at once
+    with os.fdopen(read, "rb") as answer:
+        assert answer.read() == b"1"
+
+
 async def test_a_group_under_another_environment_gets_a_server_of_its_own() -> None:
     # a variable read at import time would not reach a worker forked from a server
     # that imported under another environment
