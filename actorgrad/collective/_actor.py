@@ -121,6 +121,7 @@ class CollectiveActor:
         self._apart: dict[int, tuple[int, str]] = {}
         # groups whose members may pair their calls apart: after which sequence number, why
         self._out_of_step: dict[int, tuple[int, str]] = {}
+        self._early_out_of_step: dict[int, tuple[int, str]] = {}  # for groups not made yet
         self._sweeper: asyncio.TimerHandle | None = None
         self._sigs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.closed = False
@@ -151,6 +152,8 @@ class CollectiveActor:
                 self._early[(gid, seq)] = [m for m in messages if m[0] in ranks]
                 for message in strangers:
                     self._numbered_apart(message[0], gid, seq, group, first_of_op=message[4] is not None)
+        if gid in self._early_out_of_step:
+            self._set_out_of_step(gid, *self._early_out_of_step.pop(gid))
         return group
 
     def _numbered_apart(self, src: int, gid: int, seq: int, group: Group, first_of_op: bool = True) -> None:
@@ -244,21 +247,19 @@ class CollectiveActor:
         gone = [r for r in op.members if r in self._lost] if self._lost else None
         early = self._early.pop(key, None) if self._early else None
         apart = self._numbered_apart_from(op) if self._apart else None
-        out_of_step = self._out_of_step.get(op.gid) if self._out_of_step else None
-        if out_of_step is not None and op.seq <= out_of_step[0]:
-            out_of_step = None
+        out_of_step = self._out_of_step_at(op.gid, op.seq)
         if self.closed:
             op.fail(CollectiveError(f"{op.what()}: {self.worker.name} is shut down"))
+        elif gone:
+            op.fail(CollectiveRankLost(
+                f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
+            ))
         elif apart:
             error = CollectiveError(f"{op.what()}: {apart}")
             op.fail(error)
             self._tell_failed(op, str(error))
         elif out_of_step is not None:
-            op.fail(CollectiveError(f"{op.what()}: {out_of_step[1]}"))  # (every member knows)
-        elif gone:
-            op.fail(CollectiveRankLost(
-                f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
-            ))
+            op.fail(CollectiveError(f"{op.what()}: {out_of_step}"))  # (every member knows)
         else:
             limit = self.deadline()
             if limit > 0:
@@ -297,12 +298,20 @@ class CollectiveActor:
                 _ops.send_note(self.worker, r, op.gid, op.seq, _ops.K_OUT_OF_STEP, text.encode())
 
     def _set_out_of_step(self, gid: int, seq: int, text: str) -> None:
-        if gid in self._out_of_step or gid not in self.groups:
+        if gid in self._out_of_step or self.destroyed(gid):
+            return
+        if gid not in self.groups:  # not made here yet: it will be born out of step
+            self._early_out_of_step.setdefault(gid, (seq, text))
             return
         self._out_of_step[gid] = (seq, text)
         for op in list(self._ops.values()):
             if op.gid == gid and op.seq > seq:
                 op.fail(CollectiveError(f"{op.what()}: {text}"))
+
+    def _out_of_step_at(self, gid: int, seq: int) -> str | None:
+        """Why operation ``seq`` of group ``gid`` must not run, if the group is out of step."""
+        mark = self._out_of_step.get(gid) if self._out_of_step else None
+        return mark[1] if mark is not None and seq > mark[0] else None
 
     def _tell_failed(self, op: Op, text: str) -> None:
         """Tell the other members that ``op`` failed here (they fail it at once)."""
@@ -323,6 +332,9 @@ class CollectiveActor:
     def _sweep(self) -> None:
         """Fail the operations past their deadline (one timer for all of them)."""
         self._sweeper = None
+        # (a shared-memory operation whose last contribution came since the last poll is
+        # complete, not late: the others may already have finished it with ours)
+        self.arenas.poll_now()
         now = self.loop.time()
         for op in list(self._ops.values()):
             if op.deadline is not None and now >= op.deadline:
@@ -440,7 +452,9 @@ class CollectiveActor:
         if flat.requires_grad:
             flat = flat.detach()
         error = None
-        if not self._lost and not self.closed:  # else run() reports it
+        # (else run() reports it; a group out of step must not hand its data to a member
+        # that has not heard so yet)
+        if not self._lost and not self.closed and self._out_of_step_at(group.id, seq) is None:
             error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
         o = TinyAllReduce(self, group, seq, sig, flat, op)  # its messages are out already
         o.after = after

@@ -526,6 +526,13 @@ class TinyAllReduce(Op):
     def data_complete(self) -> bool:
         return self.got == self.n - 1
 
+    def absent(self) -> list[int]:
+        # (``missing`` is cleared only once every contribution is in)
+        return [r for i, r in enumerate(self.members) if i != self.me and self.parts[i] is None]
+
+    def waiting_for(self) -> str:
+        return f"the contributions of ranks {self.absent()}"
+
     def complete(self) -> None:
         flat, dtype, me = self.flat, self.flat.dtype, self.me
         if not flat.numel():

@@ -183,7 +183,7 @@ async def test_a_rank_numbering_apart_heard_before_the_group_is_made_here(make_g
 async def test_deadline(make_group: object) -> None:
     group: InProcessGroup = await make_group(2)  # type: ignore[operator]
     await run_all(group, _set_timeout)
-    with pytest.raises(CollectiveError, match="timed out.*signatures of ranks \\[1\\]"):
+    with pytest.raises(CollectiveError, match="timed out.*contributions of ranks \\[1\\]"):
         await C.all_reduce(torch.zeros(1))  # worker1 never joins
     with pytest.raises(CollectiveError, match="timed out"):
         await C.recv(torch.zeros(1), src=1)
@@ -261,6 +261,61 @@ async def test_a_collective_one_rank_called_alone_never_pairs_the_others_calls_a
     for rank, outcomes in enumerate(results):
         assert not any(o.startswith("value") for o in outcomes), (rank, outcomes)
         assert all("out of step" in o for o in outcomes[1:]), (rank, outcomes)
+
+
+@pytest.mark.parametrize("numel", [1, 3000], ids=["tiny", "direct"])
+async def test_a_member_that_makes_the_group_after_it_went_out_of_step_hears_so(
+        make_group: object, numel: int) -> None:
+    # (the note came before rank 2 had made the group and was dropped: rank 2's small
+    # all-reduces then completed with the data of calls that failed on the others, and
+    # its larger ones waited their whole timeout, blaming ranks that had called; the
+    # timeout named every member as absent where one was)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+
+    async def body(rank: int) -> list[str]:
+        if rank == 2:
+            await asyncio.sleep(0.8)  # past the others' deadline
+        trio = C.new_group([0, 1, 2])
+        outcomes = []
+        for step in range(3):
+            t = torch.full((numel,), float(10 * step + rank))
+            try:
+                await C.all_reduce(t, group=trio)
+                outcomes.append(f"value {t[0].item()}")
+            except CollectiveError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    start = time.monotonic()
+    results = await run_all(group, body, timeout=30)
+    assert time.monotonic() - start < 3, results
+    for rank, outcomes in enumerate(results):
+        assert not any(o.startswith("value") for o in outcomes), (rank, outcomes)
+        assert all("is out of step since" in o for o in outcomes[1:]), (rank, outcomes)
+        assert "before ranks [2] called it" in outcomes[1], (rank, outcomes)
+
+
+async def test_a_group_out_of_step_whose_member_is_gone_says_it_is_gone(make_group: object) -> None:
+    # (it said 'out of step: destroy the group and make a new one', which cannot work
+    # without the member, instead of CollectiveRankLost)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+
+    async def body(rank: int) -> Any:
+        trio = C.new_group([0, 1, 2])
+        if rank == 2:
+            await asyncio.sleep(0.6)  # the others time out without it
+            await group.workers[2].shutdown(graceful=False)
+            return None
+        with pytest.raises(CollectiveError, match="timed out"):
+            await C.all_reduce(torch.ones(3000), group=trio)
+        await asyncio.sleep(0.6)
+        with pytest.raises(ag.CollectiveRankLost, match="rank 2 of the group is gone"):
+            await C.all_reduce(torch.ones(3000), group=trio)
+        return "ok"
+
+    assert (await run_all(group, body, timeout=30))[:2] == ["ok", "ok"]
 
 
 async def test_a_local_failure_inside_a_collective_fails_the_others_at_once(
