@@ -247,20 +247,25 @@ async def test_a_collective_one_rank_called_alone_never_pairs_the_others_calls_a
                 await C.all_reduce(torch.ones(numel))
         else:
             await asyncio.sleep(0.6)
-        outcomes = []
-        for step in range(3):
-            t = torch.full((numel,), float(10 * (step + 1) + rank))
-            try:
-                await C.all_reduce(t)
-                outcomes.append(f"value {t[0].item()}")
-            except CollectiveError as exc:
-                outcomes.append(str(exc))
-        return outcomes
+        return await _three_steps(rank, numel)
 
     results = await run_all(group, body, timeout=30)
     for rank, outcomes in enumerate(results):
         assert not any(o.startswith("value") for o in outcomes), (rank, outcomes)
         assert all("out of step" in o for o in outcomes[1:]), (rank, outcomes)
+
+
+async def _three_steps(rank: int, numel: int, group: Any = None) -> list[str]:
+    """Three all-reduces of values that tell the steps apart: each one's value or error."""
+    outcomes = []
+    for step in range(3):
+        t = torch.full((numel,), float(10 * (step + 1) + rank))
+        try:
+            await C.all_reduce(t, group=group)
+            outcomes.append(f"value {t[0].item()}")
+        except CollectiveError as exc:
+            outcomes.append(str(exc))
+    return outcomes
 
 
 @pytest.mark.parametrize("numel", [1, 3000], ids=["tiny", "direct"])
@@ -276,16 +281,7 @@ async def test_a_member_that_makes_the_group_after_it_went_out_of_step_hears_so(
     async def body(rank: int) -> list[str]:
         if rank == 2:
             await asyncio.sleep(0.8)  # past the others' deadline
-        trio = C.new_group([0, 1, 2])
-        outcomes = []
-        for step in range(3):
-            t = torch.full((numel,), float(10 * step + rank))
-            try:
-                await C.all_reduce(t, group=trio)
-                outcomes.append(f"value {t[0].item()}")
-            except CollectiveError as exc:
-                outcomes.append(str(exc))
-        return outcomes
+        return await _three_steps(rank, numel, C.new_group([0, 1, 2]))
 
     start = time.monotonic()
     results = await run_all(group, body, timeout=30)
