@@ -121,7 +121,8 @@ class CollectiveActor:
         self._apart: dict[int, tuple[int, str]] = {}
         # groups whose members may pair their calls apart: after which sequence number, why
         self._out_of_step: dict[int, tuple[int, str]] = {}
-        self._early_out_of_step: dict[int, tuple[int, str]] = {}  # for groups not made yet
+        # for groups not made yet: after which sequence number, why, who said so
+        self._early_out_of_step: dict[int, tuple[int, str, int | None]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._sigs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.closed = False
@@ -153,7 +154,11 @@ class CollectiveActor:
                 for message in strangers:
                     self._numbered_apart(message[0], gid, seq, group, first_of_op=message[4] is not None)
         if gid in self._early_out_of_step:
-            self._set_out_of_step(gid, *self._early_out_of_step.pop(gid))
+            seq, text, sender = self._early_out_of_step.pop(gid)
+            # (from a rank that is no member here: it numbers groups apart, and its
+            # group of this number is another one, said so above)
+            if sender is None or sender in ranks:
+                self._set_out_of_step(gid, seq, text)
         return group
 
     def _numbered_apart(self, src: int, gid: int, seq: int, group: Group, first_of_op: bool = True) -> None:
@@ -297,11 +302,11 @@ class CollectiveActor:
             if r != self.worker.rank:
                 _ops.send_note(self.worker, r, op.gid, op.seq, _ops.K_OUT_OF_STEP, text.encode())
 
-    def _set_out_of_step(self, gid: int, seq: int, text: str) -> None:
+    def _set_out_of_step(self, gid: int, seq: int, text: str, sender: int | None = None) -> None:
         if gid in self._out_of_step or self.destroyed(gid):
             return
         if gid not in self.groups:  # not made here yet: it will be born out of step
-            self._early_out_of_step.setdefault(gid, (seq, text))
+            self._early_out_of_step.setdefault(gid, (seq, text, sender))
             return
         self._out_of_step[gid] = (seq, text)
         for op in list(self._ops.values()):
@@ -365,7 +370,7 @@ class CollectiveActor:
             self._numbered_apart(peer.rank, gid, seq, group, first_of_op=sig is not None)
             return
         if kind == _ops.K_OUT_OF_STEP:
-            self._set_out_of_step(gid, seq, bytes(data).decode(errors="replace"))
+            self._set_out_of_step(gid, seq, bytes(data).decode(errors="replace"), peer.rank)
             return
         op = self._ops.get((gid, seq))
         if op is not None:
@@ -454,7 +459,8 @@ class CollectiveActor:
         error = None
         # (else run() reports it; a group out of step must not hand its data to a member
         # that has not heard so yet)
-        if not self._lost and not self.closed and self._out_of_step_at(group.id, seq) is None:
+        if (not self.closed and not (self._lost and any(r in self._lost for r in group.ranks))
+                and self._out_of_step_at(group.id, seq) is None):
             error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
         o = TinyAllReduce(self, group, seq, sig, flat, op)  # its messages are out already
         o.after = after

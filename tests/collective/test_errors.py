@@ -314,6 +314,56 @@ async def test_a_group_out_of_step_whose_member_is_gone_says_it_is_gone(make_gro
     assert (await run_all(group, body, timeout=30))[:2] == ["ok", "ok"]
 
 
+async def test_small_all_reduces_of_a_group_go_on_when_a_worker_outside_it_is_lost(
+        make_group: object) -> None:
+    # (a lost worker anywhere stopped every small all-reduce over the connections from
+    # sending: they timed out, blamed a live member, and left the group out of step)
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+
+    async def body(rank: int) -> Any:
+        pair = C.new_group([0, 1])
+        if rank == 2:
+            await group.workers[2].shutdown(graceful=False)
+            return None
+        await asyncio.sleep(0.5)  # rank 2 is known lost
+        values = []
+        for _ in range(3):  # the first two go over the connections (arena negotiation)
+            t = torch.full((1,), float(rank + 1))
+            await C.all_reduce(t, group=pair)
+            values.append(t.item())
+        return values
+
+    assert (await run_all(group, body, timeout=30))[:2] == [[3.0] * 3] * 2
+
+
+async def test_a_note_from_a_rank_numbering_apart_does_not_mark_a_group_it_is_not_in(
+        make_group: object) -> None:
+    # rank 0 skipped new_group([1, 2]): its group 1 is [0, 1]. Its all-reduce there timed
+    # out before rank 1 made its group 1 ([1, 2]); the out-of-step note, kept for that
+    # group number, then broke [1, 2], which ranks 1 and 2 number alike
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    await run_all(group, _set_timeout)
+
+    async def body(rank: int) -> Any:
+        if rank == 0:
+            mine = C.new_group([0, 1])  # (rank 0's group 1; ranks 1 and 2 make [1, 2] first)
+            with pytest.raises(CollectiveError):
+                await C.all_reduce(torch.ones(1), group=mine)
+            return None
+        await asyncio.sleep(0.8)  # rank 0 timed out
+        pair = C.new_group([1, 2])
+        C.new_group([0, 1])
+        values = []
+        for _ in range(3):
+            t = torch.full((1,), float(rank + 1))
+            await C.all_reduce(t, group=pair)
+            values.append(t.item())
+        return values
+
+    assert (await run_all(group, body, timeout=30))[1:] == [[5.0] * 3] * 2
+
+
 async def test_a_local_failure_inside_a_collective_fails_the_others_at_once(
         make_group: object, monkeypatch: pytest.MonkeyPatch) -> None:
     # an unexpected error while rank 0 starts its part (a bug, a memory error, ...):
