@@ -56,6 +56,8 @@ from ._ops import (
     sig_bytes,
     sig_of,
 )
+from ._staging import staged as _staged
+from ._staging import staged_apart
 from ._types import Group, ReduceOp
 
 log = logging.getLogger("actorgrad.collective")
@@ -489,10 +491,7 @@ class CollectiveActor:
                 src: int) -> asyncio.Future[Any]:
         seq = self.next_seq(group)
         sig = sig_of("scatter", t, src=src)
-        mine = group.ranks.index(self.worker.rank)
-        # the root's own part written into a tensor that is also another rank's part,
-        # read by that rank later (CMA), would send it ours: write it once all is sent
-        work, writeback = _staged(t, copy=parts is not None and _aliased(t, parts, mine))
+        work, writeback = staged_apart(t, parts, group.ranks.index(self.worker.rank))
         staged = None if parts is None else [_staged(p)[0] for p in parts]
         o = Scatter(self, group, seq, sig, work, staged, src)
         o.after = writeback
@@ -503,10 +502,7 @@ class CollectiveActor:
         seq = self.next_seq(group)
         sig = sig_of("gather" if dst is not None else "all_gather", t,
                      **({"dst": dst} if dst is not None else {}))
-        # an output entry of another rank that is (or overlaps) the input would be
-        # written while the input is still being sent: send a copy of it
-        mine = group.ranks.index(self.worker.rank)
-        work, _ = _staged(t, copy=out is not None and _aliased(t, out, mine))
+        work, _ = staged_apart(t, out, group.ranks.index(self.worker.rank))
         writebacks: list[Callable[[], None]] = []
         staged_out = None
         if out is not None:
@@ -775,56 +771,6 @@ class CollectiveActor:
             self.torch.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
-
-
-def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A contiguous CPU tensor to work on, and the write-back into ``t`` if it is a copy."""
-    d = t.detach()
-    # (a conjugate or negative view reads as other values than its memory holds: a
-    # copy resolves it, and the write-back goes through the view)
-    if not copy and d.is_cpu and d.is_contiguous() and not d.is_conj() and not d.is_neg():
-        dense = _dense_strides(d.shape)
-        if d.stride() != dense:
-            # contiguous, with odd strides in dimensions of size 1 (x[1::2] of a 3-long x):
-            # the same memory under the strides that flat and byte views need
-            d = d.as_strided(d.shape, dense)
-        return d, None
-    work = torch.empty(d.shape, dtype=d.dtype)  # dense strides (a copy keeps odd ones)
-    work.copy_(d)
-
-    def writeback() -> None:
-        d.copy_(work)
-
-    return work, writeback
-
-
-def _aliased(t: torch.Tensor, tensors: list[torch.Tensor], mine: int) -> bool:
-    """Whether ``t`` shares memory with an entry of ``tensors`` other than ``tensors[mine]``."""
-    span = _memory_span(t)
-    if span is None:
-        return False
-    for i, other in enumerate(tensors):
-        if i != mine and (o := _memory_span(other)) is not None and o[0] < span[1] and span[0] < o[1]:
-            return True
-    return False
-
-
-def _memory_span(t: torch.Tensor) -> tuple[int, int] | None:
-    """The bytes of memory ``t``'s elements lie in (first, past the last); None if none."""
-    if not t.numel() or not t.is_cpu:
-        return None
-    start = t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return start, start + (last + 1) * t.element_size()
-
-
-def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def setup(worker: Worker) -> None:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from .._errors import CollectiveError
 from ..runtime import Worker
+from ._staging import Staged, staged_apart
+from ._staging import staged as _staged_on_cpu
 from ._types import Group, ReduceOp
 
 log = logging.getLogger("actorgrad.collective")
@@ -222,8 +224,7 @@ class TorchBackend:
 
     def scatter(self, group: Group, t: torch.Tensor, parts: list[torch.Tensor] | None,
                 src: int) -> asyncio.Future[Any]:
-        mine = group.ranks.index(self.worker.rank)
-        work, writeback = _staged(t, copy=parts is not None and _aliased(t, parts, mine))
+        work, writeback = staged_apart(t, parts, group.ranks.index(self.worker.rank), _staged)
         opts = dist.ScatterOptions()
         opts.rootRank = group.ranks.index(src)
         inputs = [[_real(_staged(p)[0]) for p in parts]] if parts is not None else []
@@ -231,8 +232,7 @@ class TorchBackend:
 
     def gather(self, group: Group, t: torch.Tensor, out: list[torch.Tensor] | None,
                dst: int | None) -> asyncio.Future[Any]:
-        mine = group.ranks.index(self.worker.rank)
-        work, _ = _staged(t, copy=out is not None and _aliased(t, out, mine))
+        work, _ = staged_apart(t, out, group.ranks.index(self.worker.rank), _staged)
         staged = [_staged(o) for o in out] if out is not None else []
 
         def after() -> None:
@@ -319,15 +319,7 @@ def _check_complex_op(backend: str, t: torch.Tensor, op: ReduceOp) -> None:
                          "(SUM and AVG are; actorgrad's own backend also does PRODUCT)")
 
 
-def _aliased(t: torch.Tensor, tensors: list[torch.Tensor], mine: int) -> bool:
-    from ._actor import _aliased as aliased
-
-    return aliased(t, tensors, mine)
-
-
-def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    from ._actor import _staged as staged
-
+def _staged(t: torch.Tensor, copy: bool = False) -> Staged:
     if t.device.type == "cuda":  # NCCL works on the device itself
         d = t.detach()
         if d.is_contiguous() and not copy and not d.is_conj() and not d.is_neg():
@@ -338,7 +330,7 @@ def _staged(t: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, Callable
             d.copy_(work)
 
         return work, writeback
-    return staged(t, copy)
+    return _staged_on_cpu(t, copy)
 
 
 async def create_backend(worker: Worker, name: str, timeout: float, world: Group) -> TorchBackend:
