@@ -554,9 +554,11 @@ def launch(
 
         watch = _ExitWatch(ranks)
         failed: list[_Rank] = []  # in the order they exited
+        told = 0  # of them, reported
         done = 0
+        settle_until = 0.0  # once one failed: until when the others may exit by themselves
         while True:
-            if signals.received:
+            if signals.received:  # (also while the others may exit: as any signal stops them)
                 signum = signals.received[0]
                 _say(err, f"received {signal.Signals(signum).name}; stopping all {nproc} ranks "
                     "(again to kill them at once)")
@@ -565,37 +567,31 @@ def launch(
                           grace_period)
                 exit_code = 128 + signum
                 break
+            if failed:
+                first = failed[0]
+                if not told:
+                    text, exit_code = _describe_exit(first.proc.returncode)
+                    settle_until = time.monotonic() + SETTLE_S
+                    if done < len(ranks):
+                        _say(err, f"rank {first.rank} {text}; the other rank(s) have {SETTLE_S:g}s to exit")
+                    told = 1
+                for r in failed[told:]:
+                    _say(err, f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} "
+                         f"(after rank {first.rank})")
+                told = len(failed)
+                if done == len(ranks) or time.monotonic() >= settle_until:
+                    others = [r for r in ranks if r.proc.poll() is None]
+                    if others:
+                        _say(err, f"terminating {len(others)} remaining rank(s): "
+                             f"{', '.join(str(r.rank) for r in others)}")
+                    _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
+                    break
+            elif done == len(ranks):
+                exit_code = 0
+                break
             exited = watch.exited(_POLL_INTERVAL_S)
             done += len(exited)
             failed += [r for r in exited if r.proc.returncode != 0]
-            if failed:
-                first = failed[0]
-                text, exit_code = _describe_exit(first.proc.returncode)
-                told = 1
-                deadline = time.monotonic() + SETTLE_S
-                if done < len(ranks):
-                    _say(err, f"rank {first.rank} {text}; the other rank(s) have {SETTLE_S:g}s to exit")
-                while True:
-                    for r in failed[told:]:
-                        _say(err, f"rank {r.rank} also {_describe_exit(r.proc.returncode)[0]} "
-                             f"(after rank {first.rank})")
-                    told = len(failed)
-                    if done == len(ranks) or signals.received or time.monotonic() >= deadline:
-                        break
-                    exited = watch.exited(_POLL_INTERVAL_S)
-                    done += len(exited)
-                    failed += [r for r in exited if r.proc.returncode != 0]
-                if signals.received:
-                    continue  # stopped as any signal stops them (Ctrl-C: SIGINT, at once)
-                others = [r for r in ranks if r.proc.poll() is None]
-                if others:
-                    _say(err, f"terminating {len(others)} remaining rank(s): "
-                         f"{', '.join(str(r.rank) for r in others)}")
-                _shutdown(ranks, signal.SIGTERM, signals, err, grace_period)
-                break
-            if done == len(ranks):
-                exit_code = 0
-                break
     finally:
         # Whatever happened above (including unexpected exceptions), no worker
         # outlives the launcher.
