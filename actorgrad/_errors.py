@@ -133,3 +133,23 @@ for _cls in (
     ActorgradInternalError,
 ):
     _cls.__module__ = "actorgrad"
+
+
+def error_name(exc: BaseException) -> str:
+    """``exc``'s type: its name for a builtin, module-qualified otherwise."""
+    kind = type(exc)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def error_message(exc: BaseException) -> str:
+    """``str(exc)``, which never raises: a user's exception may break ``str()``."""
+    try:
+        return str(exc)
+    except Exception as str_exc:
+        return f"<str() of the exception failed: {type(str_exc).__name__}>"
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` in one line: ``Name: message`` (``Name`` where it has no message)."""
+    message = error_message(exc)
+    return f"{error_name(exc)}: {message}" if message else error_name(exc)

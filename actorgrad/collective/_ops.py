@@ -405,7 +405,7 @@ class Op:
 
     def waiting_for(self) -> str:
         if self.missing:
-            return f"the signatures of ranks {sorted(self.missing)}"
+            return f"the signatures of ranks {self.absent()}"
         if not self.data_done:
             return "data"
         return f"acknowledgements from ranks {sorted(self.acks_needed)}"
@@ -627,8 +627,7 @@ class ArenaAllReduce(Op):
     def waiting_for(self) -> str:
         if not self.written:
             return "a free slot in the shared-memory arena (a member is behind)"
-        missing = [self.members[r] for r in self.arena.missing(self.seq)]
-        return f"the contributions of ranks {missing} (shared memory)"
+        return f"the contributions of ranks {self.absent()} (shared memory)"
 
 
 def send_fail(worker: Any, dst: int, gid: int, seq: int, text: bytes) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .._errors import error_line
+
 MAX_EVENTS = 1_000_000
 _ERROR_CHARS = 500  # of an error's text kept in a span
 _TID_SPAN = 100_000  # thread ids are taken modulo this; extra rows of a thread add multiples
@@ -24,11 +26,7 @@ def now_us() -> float:
 
 def failed(args: dict[str, Any] | None, exc: BaseException) -> dict[str, Any]:
     """A span's ``args`` for a span that ended in ``exc``."""
-    try:
-        text = f"{type(exc).__name__}: {exc}"
-    except Exception:  # a user's exception whose str() fails
-        text = type(exc).__name__
-    return {**(args or {}), "ok": False, "error": text[:_ERROR_CHARS]}
+    return {**(args or {}), "ok": False, "error": error_line(exc)[:_ERROR_CHARS]}
 
 
 class Tracer:

@@ -37,6 +37,9 @@ from .._errors import (
     RendezvousTimeout,
     RpcTimeout,
     WorkerLost,
+    error_line,
+    error_message,
+    error_name,
 )
 from ..wire import (
     Call,
@@ -110,14 +113,8 @@ def describe_error(exc: BaseException) -> tuple[str, str, str]:
 
     A user's exception may break ``str()``: the caller must still get an answer.
     """
-    kind = type(exc)
-    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    try:
-        message = str(exc)
-    except Exception as str_exc:
-        message = f"<str() of the exception failed: {type(str_exc).__name__}>"
     tb = "".join(traceback.format_exception(exc))  # tolerates a failing str() itself
-    return name, message, tb
+    return error_name(exc), error_message(exc), tb
 
 
 # errors a worker passes on to its caller as they are (see Worker._remote_error)
@@ -1088,14 +1085,10 @@ class Worker:
         """The program stops this worker because it raised ``exc``: tell the peers so
         when the connections close (their WorkerLost names it; the program's own
         traceback may never be seen, its process killed by a launcher meanwhile)."""
-        try:
-            text = f"{type(exc).__qualname__}: {exc}" if str(exc) else type(exc).__qualname__
-        except Exception:  # a user's exception whose str() fails
-            text = type(exc).__qualname__
         # (whole characters within the bytes a control frame carries; a lone surrogate,
         # from an undecodable path, escaped: it cannot be encoded, and the Goodbye
         # would not go out at all)
-        raw = (_STOPPED_ON_ERROR + text).encode("utf-8", "backslashreplace")[:_STOP_REASON_BYTES]
+        raw = (_STOPPED_ON_ERROR + error_line(exc)).encode("utf-8", "backslashreplace")[:_STOP_REASON_BYTES]
         self.stop_reason = raw.decode("utf-8", "ignore")
 
     async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
