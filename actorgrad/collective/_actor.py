@@ -251,22 +251,13 @@ class CollectiveActor:
         messages that arrived before this rank entered it."""
         key = (op.gid, op.seq)
         self._ops[key] = op
-        gone = [r for r in op.members if r in self._lost] if self._lost else None
         early = self._early.pop(key, None) if self._early else None
-        apart = self._numbered_apart_from(op) if self._apart else None
-        out_of_step = self._out_of_step_at(op.gid, op.seq)
-        if self.closed:
-            op.fail(CollectiveError(f"{op.what()}: {self.worker.name} is shut down"))
-        elif gone:
-            op.fail(CollectiveRankLost(
-                f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"
-            ))
-        elif apart:
-            error = CollectiveError(f"{op.what()}: {apart}")
+        refusal = self._refusal(op)
+        if refusal is not None:
+            error, tell = refusal
             op.fail(error)
-            self._tell_failed(op, str(error))
-        elif out_of_step is not None:
-            op.fail(CollectiveError(f"{op.what()}: {out_of_step}"))  # (every member knows)
+            if tell:
+                self._tell_failed(op, str(error))
         else:
             limit = self.deadline()
             if limit > 0:
@@ -288,6 +279,23 @@ class CollectiveActor:
                 # waiting for it until their deadline
                 self._tell_failed(op, f"{type(exc).__name__}: {exc}")
         return op.future
+
+    def _refusal(self, op: Op) -> tuple[CollectiveError, bool] | None:
+        """Why ``op`` must not start here, if it must not, and whether its members need
+        to be told (they are told of a lost member and of a group out of step already)."""
+        if self.closed:
+            return CollectiveError(f"{op.what()}: {self.worker.name} is shut down"), False
+        gone = [r for r in op.members if r in self._lost] if self._lost else None
+        if gone:
+            return CollectiveRankLost(
+                f"{op.what()}: rank {gone[0]} of the group is gone ({self._lost[gone[0]]})"), False
+        apart = self._numbered_apart_from(op) if self._apart else None
+        if apart:
+            return CollectiveError(f"{op.what()}: {apart}"), True
+        out_of_step = self._out_of_step_at(op.gid, op.seq)
+        if out_of_step is not None:
+            return CollectiveError(f"{op.what()}: {out_of_step}"), False
+        return None
 
     def _out_of_step_from(self, op: Op, absent: list[int]) -> None:
         """``op`` timed out before ``absent`` entered it. Whether they come to it late or
@@ -458,14 +466,13 @@ class CollectiveActor:
         ``after`` runs on success, ``extra`` rides in its header."""
         if flat.requires_grad:
             flat = flat.detach()
-        error = None
-        # (else run() reports it; a group out of step must not hand its data to a member
-        # that has not heard so yet)
-        if (not self.closed and not (self._lost and any(r in self._lost for r in group.ranks))
-                and self._out_of_step_at(group.id, seq) is None):
-            error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
-        o = TinyAllReduce(self, group, seq, sig, flat, op)  # its messages are out already
+        o = TinyAllReduce(self, group, seq, sig, flat, op)  # (its start sends nothing)
         o.after = after
+        error = None
+        # (else run() refuses it: nothing of an operation that may not start leaves, or
+        # a member that has not heard why yet could complete it with our data)
+        if self._refusal(o) is None:
+            error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
         if error is not None:
             o.fail(CollectiveError(f"{o.what()}: cannot send: {error}"), error)
             return o
