@@ -329,7 +329,7 @@ def send_request(
     # recorded once it left: a send that failed must not wait for gradients (the reply
     # cannot be handled before this returns, it comes through the loop)
     hooks.after_send(worker, meta, payload, dst)
-    if meta is not None:  # a call the callee failed records no pair (see _serve_call)
+    if meta is not None:  # a call that failed records no pair (see _serve_call)
         reply.add_done_callback(functools.partial(_forget_failed, worker, meta))
     if undo:  # RRefs in it: those the callee could not load are taken back
         reply.add_done_callback(functools.partial(_take_back_unloaded, worker, undo))
@@ -346,7 +346,11 @@ def function_name(func: Any) -> str:
 
 
 def _forget_failed(worker: Worker, meta: Any, reply: asyncio.Future[Any]) -> None:
-    if not reply.cancelled() and isinstance(reply.exception(), RemoteError):
+    """A call whose result never came (it failed, timed out, was cancelled, its peer
+    was lost) has no output here that a loss could use, so no gradient can come for
+    its send: forget it. (The callee forgets its recv when the call fails or is called
+    off there.)"""
+    if reply.cancelled() or reply.exception() is not None:
         _hooks.current().forget(worker, meta, sent=True)
 
 

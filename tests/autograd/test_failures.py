@@ -552,3 +552,32 @@ async def test_a_call_that_failed_is_no_pair_of_the_context(group3, mode):
     (lx,) = local_copies(x)
     (lx * 2.0 + lx).sum().backward()
     assert_grads(grads, [(x, lx.grad)])
+
+
+def _sleepy(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    time.sleep(seconds)
+    return x * 5
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_a_call_that_timed_out_or_was_cancelled_is_no_pair_of_the_context(group3, mode):
+    """A caller that gives up on a call (its timeout, a cancelled task) and goes on: the
+    result never came, so no gradient can come for it either (FAST mode used to wait
+    for one and blame the call as an unused RPC)."""
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(ag.RpcTimeout):
+            await ag.rpc_async("worker1", _sleepy, args=(x, 0.6), timeout=0.2)
+        call = asyncio.ensure_future(ag.rpc_async("worker2", _sleepy, args=(x, 0.6)))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.7)  # both functions have returned by now
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))
+        z = await ag.rpc_async("worker2", torch.add, args=(y, x))  # both take part
+        await asyncio.wait_for(ag.autograd.backward(context_id, [z.sum()], mode=mode), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (lx * 2.0 + lx).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
