@@ -1076,6 +1076,11 @@ class Worker:
                     os.unlink(partial)
 
     # -- shutdown -------------------------------------------------------------------
+    @property
+    def peers_done(self) -> frozenset[int]:
+        """Ranks of the peers that said they are done during a graceful shutdown."""
+        return frozenset(self._done_from)
+
     def _on_peer_done(self, peer: PeerProtocol, payload: Payload) -> None:
         if peer.rank is not None:
             self._done_from.add(peer.rank)

@@ -164,15 +164,20 @@ class LocalGroup:
         A group shut down already is left as it is (a notebook cell run twice must not
         end a group started since)."""
         worker = self.worker
+        ranks = range(1, len(self.processes) + 1)
         lost: set[int] = set()
+        deadline = time.monotonic() + timeout  # for the whole shutdown
         if worker is not None and not worker.closed:
             # (a worker declared lost, stopped or cut off, will not follow worker0 out)
-            lost = {rank for rank in range(1, len(self.processes) + 1) if rank not in worker.peers}
+            lost = {rank for rank in ranks if rank not in worker.peers}
             await worker.shutdown(graceful=graceful, timeout=timeout)
+            if graceful:  # nor will one that worker0's shutdown gave up on
+                lost |= {rank for rank in ranks if rank not in worker.peers_done}
         if worker is not None:
             _forget([worker])
-        deadline = time.monotonic() + timeout
-        soon = min(deadline, time.monotonic() + _LOST_GRACE)
+        # (those that said they are done may still be on their way out)
+        deadline = max(deadline, time.monotonic() + _LOST_GRACE)
+        soon = time.monotonic() + _LOST_GRACE
         for rank, proc in enumerate(self.processes, start=1):
             until = soon if rank in lost else deadline
             while proc.poll() is None and time.monotonic() < until:  # noqa: ASYNC110 - polling a child

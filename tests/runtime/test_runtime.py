@@ -1484,3 +1484,18 @@ async def test_local_group_shutdown_does_not_wait_long_for_a_worker_declared_los
     await group.shutdown(timeout=20)
     assert time.monotonic() - start < 8
     assert group.processes[0].poll() is not None  # killed, not left stopped
+
+
+@pytest.mark.slow
+async def test_local_group_shutdown_does_not_wait_long_for_a_worker_given_up_on(make_process_group, auth_env):
+    """A stopped worker that worker0's shutdown gave up on (silent for shutdown_timeout)
+    gets the short grace too, and the group's timeout bounds the whole shutdown: it
+    used to wait for that worker again, its whole timeout, after worker0's own."""
+    group = await start_process_group(make_process_group, 3, ag.RpcOptions(shutdown_timeout=1.0))
+    os.kill(group.pids[0], signal.SIGSTOP)
+    start = time.monotonic()
+    await group.shutdown(timeout=12)
+    took = time.monotonic() - start
+    assert took < 6, took  # ~1 s of silence, then the 2 s grace
+    assert group.processes[0].poll() is not None  # killed, not left stopped
+    assert group.processes[1].returncode == 0  # worker2 left by itself
