@@ -326,6 +326,8 @@ def send_request(
     if reply.done():  # failed at once, never sent: the peer is gone
         _take_back(undo)
         return dst, reply
+    if label_of is not None:
+        reply.runs = label_of  # type: ignore[attr-defined]  # (a CallFuture)
     # recorded once it left: a send that failed must not wait for gradients (the reply
     # cannot be handled before this returns, it comes through the loop)
     hooks.after_send(worker, meta, payload, dst)

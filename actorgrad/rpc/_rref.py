@@ -540,7 +540,7 @@ def _created_or_not(worker: Worker, owner: int, rref_id: RRefId, reply: asyncio.
         worker.tell(owner, "rref.not_created", Payload.dump((rref_id, reason[:500])))
 
 
-def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseException) -> BaseException:
+def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseException, func: Any) -> BaseException:
     """The error that uses of an RRef raise when creating its value ended with ``exc``.
 
     The create call's own cancellation must not be stored as it is: the owner's
@@ -557,8 +557,8 @@ def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseExcepti
             peer.name or "?", f"left before RRef {rref_id} it asked {worker.name} for was created"
         )
     return RpcTimeout(
-        f"creating RRef {rref_id} on {worker.name} was abandoned: the remote() call from "
-        f"{peer.name} timed out"
+        f"creating RRef {rref_id} ({_api.function_name(func)}) on {worker.name} was abandoned: "
+        f"the remote() call from {peer.name} timed out"
     )
 
 
@@ -590,7 +590,7 @@ def install_handlers(worker: Worker) -> None:
                 with hooks.scope(worker, meta):
                     result = await _api.run_user_function(worker, func, args, kwargs)
             except BaseException as exc:
-                value.set_exception(_creation_error(worker, peer, rref_id, exc))
+                value.set_exception(_creation_error(worker, peer, rref_id, exc, func))
                 value.exception()  # retrieved: the error surfaces on the RRef's next use
                 raise
             finally:

@@ -56,6 +56,7 @@ class CallFuture(asyncio.Future[Any]):
     peer: PeerProtocol
     decode: Callable[[Payload], Any] | None
     table: PendingCalls
+    runs: Any = None  # the remote function, when there is one (named when the call expires)
 
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg):

@@ -931,8 +931,11 @@ class Worker:
             future.peer.send(Cancel(request_id=future.request_id))
 
     def _call_expired(self, future: CallFuture, limit: float) -> None:
+        runs = future.runs
+        what = "call" if runs is None else (
+            f"call of {getattr(runs, '__qualname__', None) or type(runs).__qualname__}")
         future.set_exception(RpcTimeout(
-            f"call to {future.peer.name} timed out after {limit}s (the limit is the call's "
+            f"{what} to {future.peer.name} timed out after {limit}s (the limit is the call's "
             "timeout=, else RpcOptions.rpc_timeout; 0 waits as long as it takes)"))
         self._call_cancelled(future)
 

@@ -199,7 +199,8 @@ async def test_real_cancellation_still_ends_the_callee_without_answer(group2):
     # The caller's timeout cancels the callee; the caller gets RpcTimeout, not a
     # RemoteError naming CancelledError, and the callee keeps serving.
     start = time.monotonic()
-    with pytest.raises(ag.RpcTimeout, match=r"timed out after 0.2s \(the limit is the call's timeout=, else RpcOptions.rpc_timeout"):
+    with pytest.raises(ag.RpcTimeout, match=r"call of sleep_async to worker1 timed out after 0.2s "
+                       r"\(the limit is the call's timeout=, else RpcOptions.rpc_timeout"):
         await ag.rpc_async("worker1", sleep_async, args=(30.0,), timeout=0.2)
     assert time.monotonic() - start < _FAST
     assert await ag.rpc_async("worker1", square, args=(9,), timeout=_LIMIT) == 81
@@ -216,6 +217,7 @@ async def test_timed_out_creation_fails_the_next_use(group2, owner, func):
     err = await fails_fast(rref.to_here(timeout=_LIMIT), ag.RpcTimeout)
     assert "remote() call" in str(err)
     assert "timed out" in str(err)
+    assert func.__name__ in str(err)
     # and again, now that the creation has ended for good
     await fails_fast(rref.to_here(timeout=_LIMIT), ag.RpcTimeout)
     await fails_fast(rref.to_here(timeout=0), ag.RpcTimeout)
