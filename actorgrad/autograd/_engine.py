@@ -879,6 +879,21 @@ async def _all_or_first_error(futures: list[asyncio.Future[Any]]) -> list[Any]:
     return [f.result() for f in futures]
 
 
+def _unused_to_name(ctx: DistContext, task: GraphTask, unused: list[int]) -> tuple[int, str]:
+    """Which of the silent pairs a FAST mode error names, and how it says so.
+
+    A call whose output nothing uses holds up the calls whose outputs went into its
+    arguments (their recvs wait for its share), and those have lower ids. A pair whose
+    recv is here and no start reaches (its output is used by nothing here) is the one
+    to name; else the first."""
+    plan = task.plan
+    if plan is not None:
+        for message_id in unused:
+            if message_id in ctx.recvs and message_id not in plan.recvs:
+                return message_id, "nothing used the output of"
+    return unused[0], "the first is"
+
+
 async def _describe_pair(worker: Worker, ctx: DistContext, message_id: int) -> str:
     """What the send/recv pair ``message_id`` carried, asked of the worker that sent it
     (the one that minted the id), for an error message."""
@@ -1016,12 +1031,12 @@ async def _pass(worker: Worker, engine: EngineActor, ctx: DistContext, task: Gra
         unused = sorted(report.pairs - report.fired)
         if unused:
             ctx.failed_backward = "FAST mode, unused RPC"
-            first = unused[0]
-            described = await _describe_pair(worker, ctx, first)
+            named, which = _unused_to_name(ctx, task, unused)
+            described = await _describe_pair(worker, ctx, named)
             raise ContextError(
                 f"FAST mode backward in context {ctx.context_id}: {len(unused)} RPC send/recv "
-                f"pair(s) received no gradient, first autograd message {first} "
-                f"({described}). FAST mode assumes every RPC's output takes part "
+                f"pair(s) received no gradient; {which} autograd message {named} "
+                f"(rank {named >> ID_BITS}: {described}). FAST mode assumes every RPC's output takes part "
                 "in the loss (PyTorch would wait forever here); run the forward again "
                 "in a new context and call backward(..., mode=\"smart\") (or set "
                 "RpcOptions(autograd_mode=\"smart\")) to skip unused RPCs."

@@ -297,10 +297,23 @@ async def test_unused_rpc_is_described_by_the_worker_that_made_it(group3):
     x = rand3()
     async with ag.autograd.context() as context_id:
         r = await ag.rpc_async("worker1", nested_with_unused_leaf, args=(x,))
-        unused = r"2 RPC send/recv pair\(s\).*\(tensors of shape \(7,\) sent to rank 2\).*smart"
+        unused = r"2 RPC send/recv pair\(s\).*\(rank 1: tensors of shape \(7,\) sent to rank 2\).*smart"
         with pytest.raises(ag.ContextError, match=unused):
             await asyncio.wait_for(ag.autograd.backward(context_id, [r.sum()]), 10)
     await wait_released(["worker0", "worker1", "worker2"])
+
+
+async def test_unused_rpc_named_rather_than_a_used_one_it_holds_up(group3):
+    """The unused call takes a used call's output as its argument: the used call's
+    pair waits for the unused one's share and stays silent too, and has the lower id.
+    The error names the call whose output nothing used."""
+    x = torch.rand(4, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))  # used
+        _unused = await ag.rpc_async("worker2", torch.sin, args=(y[:2].clone(),))
+        with pytest.raises(ag.ContextError, match=r"shape \(2,\) (sent to|received from)") as info:
+            await asyncio.wait_for(ag.autograd.backward(context_id, [(y * y).sum()]), 10)
+        assert "shape (4,)" not in str(info.value)
 
 
 async def test_unused_nested_rpc(group3):
