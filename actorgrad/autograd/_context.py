@@ -31,6 +31,7 @@ from torch.autograd.graph import GradientEdge
 from .._errors import ContextError
 from ..rpc import NO_SCOPE, CallHooks
 from ..runtime import Worker, get_worker
+from ..runtime._current import on_loop
 from ..wire import Payload
 from ._messages import ReleaseContext, is_broadcast
 from ._plan import recv_anchors
@@ -500,7 +501,15 @@ class context:  # noqa: N801 - named like torch.distributed.autograd.context
     def __exit__(self, *exc: object) -> None:
         assert self._actor is not None and self._ctx is not None and self._token is not None
         current_context.reset(self._token)
-        self._actor.release(self._ctx.context_id)
+        actor, context_id = self._actor, self._ctx.context_id
+        loop = actor.worker.loop
+        if loop.is_running() and not on_loop(actor.worker):
+            # left in a thread beside the running loop (a remote function on the pool, a
+            # script's thread): the release sends messages, which only the loop may do
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(actor.release, context_id)
+            return
+        actor.release(context_id)
 
     async def __aenter__(self) -> int:
         return self.__enter__()

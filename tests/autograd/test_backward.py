@@ -6,12 +6,14 @@ Functions sent by RPC live at module level (the callee imports this module by na
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 from _ag_helpers import assert_grads, local_copies, wait_released
 
 import actorgrad as ag
+from actorgrad.runtime import get_worker
 
 # -- remote functions ---------------------------------------------------------------------
 
@@ -399,6 +401,45 @@ async def own_context_then_late_message() -> int:
     async with ag.autograd.context() as context_id:
         pass
     return deliver_late_message(context_id)
+
+
+def _note_tell_threads() -> None:
+    """On this worker, note for each tell whether it was sent from the loop's thread."""
+    worker = get_worker()
+    loop_thread = threading.get_ident()
+    worker.tell_threads = []
+    tell = worker.tell
+
+    def noting(to, target, payload):  # type: ignore[no-untyped-def]
+        worker.tell_threads.append((target, threading.get_ident() == loop_thread))
+        return tell(to, target, payload)
+
+    worker.tell = noting
+
+
+async def _start_noting_tells() -> None:
+    _note_tell_threads()  # (a coroutine function: runs on the loop's thread)
+
+
+def _context_in_a_pool_thread(x: torch.Tensor) -> float:
+    """A remote function (run on the pool) with a context of its own."""
+    with ag.autograd.context():
+        y = ag.rpc_sync("worker2", torch.mul, args=(x, 2.0))
+    return float(y.sum())
+
+
+def _tells_from_other_threads() -> list[str]:
+    return [target for target, on_loop in get_worker().tell_threads if not on_loop]
+
+
+async def test_context_left_in_another_thread_is_released_from_the_loop(group3):
+    """A context left in a thread beside the running loop (a remote function on the
+    pool) sends its release through the loop: a transport is not for other threads."""
+    await ag.rpc_async("worker1", _start_noting_tells)
+    x = torch.rand(3)
+    assert await ag.rpc_async("worker1", _context_in_a_pool_thread, args=(x,)) == pytest.approx(float(x.sum() * 2))
+    await wait_released(["worker1", "worker2"])
+    assert await ag.rpc_async("worker1", _tells_from_other_threads) == []
 
 
 async def test_late_message_does_not_recreate_a_released_context(group3):
