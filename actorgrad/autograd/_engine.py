@@ -91,9 +91,11 @@ _INLINE_PLAN_NODES = 256
 _INLINE_JOB_NODES = 32
 _INLINE_JOB_BYTES = 1 << 20
 _RECV_NODE = RecvRpcBackward._backward_cls
-# node type -> whether it runs user Python (a custom autograd.Function's backward: it
-# may take any time, or make a blocking call into the worker, so never on the loop)
-_RUNS_PYTHON: dict[type, bool] = {_RECV_NODE: False}
+# torch's node types, which run no user Python (a custom autograd.Function's backward
+# does: it may take any time, or make a blocking call into the worker, so never on the
+# loop). Only these are kept: Function classes may be made on the fly, and must go.
+_RUNS_NO_PYTHON: set[type] = {_RECV_NODE}
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
 # torch.autograd.grad minus its argument checks (and their first-use imports): our
 # gradients always match their outputs.
 _torch_run_backward = torch.autograd.Variable._execution_engine.run_backward
@@ -121,11 +123,10 @@ def _runs_python(region: Sequence[Any]) -> bool:
     """Whether a job's nodes include a custom autograd.Function (other than our recv)."""
     for node in region:
         kind = type(node)
-        runs = _RUNS_PYTHON.get(kind)
-        if runs is None:
-            runs = _RUNS_PYTHON[kind] = issubclass(kind, torch.autograd.function.BackwardCFunction)
-        if runs:
-            return True
+        if kind not in _RUNS_NO_PYTHON:
+            if issubclass(kind, _BackwardCFunction):
+                return True
+            _RUNS_NO_PYTHON.add(kind)
     return False
 
 

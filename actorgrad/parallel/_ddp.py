@@ -170,7 +170,9 @@ class DistributedDataParallel(nn.Module):
         self._into: dict[torch.Tensor, torch.Tensor] | None = None
         self._armed = False  # a forward ran since the last synced backward
         self._forward_context: int | None = None  # the autograd context it ran in
-        _wrappers.setdefault(worker, []).append(weakref.ref(self))
+        wrappers = _wrappers.setdefault(worker, [])
+        wrappers[:] = [ref for ref in wrappers if ref() is not None]  # (re-wrapping drops old ones)
+        wrappers.append(weakref.ref(self))
 
     @classmethod
     async def create(cls, module: nn.Module, bucket_cap_mb: float | None = 25.0,
@@ -806,10 +808,14 @@ def _status(used: list[bool], late: list[bool], missing: list[bool], failed: boo
 
 
 def _backward_lock(worker: Worker, group: Any) -> asyncio.Lock:
+    """The lock that runs one wrapper's backward at a time in ``group`` (taken at once
+    with ``async with``: a lock nobody holds or awaits guards nothing and may go)."""
     locks = _backward_locks.setdefault(worker, {})
     key = None if group is None else group.id
     lock = locks.get(key)
     if lock is None:
+        for idle in [k for k, held in locks.items() if not held.locked()]:
+            del locks[idle]  # (groups made and destroyed time after time)
         lock = locks[key] = asyncio.Lock()
     return lock
 

@@ -316,6 +316,40 @@ async def test_unused_rpc_named_rather_than_a_used_one_it_holds_up(group3):
         assert "shape (4,)" not in str(info.value)
 
 
+def _function_class_of_this_call() -> type[torch.autograd.Function]:
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            return grad * 2
+
+    return Doubled
+
+
+async def test_function_classes_made_per_call_are_not_kept(group2):
+    """autograd.Function classes made on the fly (in a factory, in a function sent by
+    value) go when nothing uses them, as with plain torch: the engine used to keep
+    every one it had run, and all its class captured."""
+    import gc
+    import weakref
+
+    classes = []
+    for _ in range(3):
+        fn = _function_class_of_this_call()
+        classes.append(weakref.ref(fn))
+        x = torch.rand(3, requires_grad=True)
+        async with ag.autograd.context() as context_id:
+            y = await ag.rpc_async("worker1", torch.add, args=(fn.apply(x), 1.0))
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+            assert torch.equal(ag.autograd.get_gradients(context_id)[x], torch.full((3,), 2.0))
+        del fn, x, y
+    gc.collect()
+    assert [ref() for ref in classes] == [None, None, None]
+
+
 async def test_unused_nested_rpc(group3):
     x = rand3()
     async with ag.autograd.context() as context_id:

@@ -890,6 +890,30 @@ async def test_a_wrapper_dropped_for_a_new_one_goes_with_its_hooks(make_group: A
         assert hooks == [0] * len(hooks) and alive == 0
 
 
+async def test_wrappers_and_groups_made_again_and_again_leave_bounded_tables(make_group: Any) -> None:
+    """A job that wraps a model in a fresh subgroup time after time (a sweep, a
+    re-wrap each epoch): the dead wrappers and the destroyed groups' locks used to
+    stay listed, one more each time, and every backward scanned them all."""
+    from actorgrad.parallel._ddp import _backward_locks
+    from actorgrad.runtime import get_worker
+
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[int, int]:
+        model = mlp(5)
+        for _ in range(12):
+            sub = C.new_group([0, 1])
+            ddp = await DDP.create(model, group=sub)
+            await ddp.backward(nn.functional.mse_loss(ddp(X[4 * rank : 4 * rank + 4]), Y[4 * rank : 4 * rank + 4]))
+            del ddp
+            C.destroy_process_group(sub)
+        worker = get_worker()
+        return len(_wrappers.get(worker, [])), len(_backward_locks.get(worker, {}))
+
+    for wrappers, locks in await run_all(group, body):
+        assert wrappers <= 2 and locks <= 2, (wrappers, locks)
+
+
 async def test_copying_or_saving_a_wrapper_says_what_to_do_instead(make_group: Any) -> None:
     import copy
     import io
