@@ -145,6 +145,9 @@ class PeerProtocol(asyncio.BufferedProtocol):
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        # (this protocol may outlive the group for a while: the collector's frozen
+        # generation keeps a group's objects until a later start collects them)
+        self.conn.release_buffers()
         self.worker.on_connection_lost(self, reason)
 
     def pause_writing(self) -> None:

@@ -226,6 +226,15 @@ class Connection:
         self._decoder.receive_data(data)
 
     @property
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of memory held for receiving."""
+        return self._decoder.memory_bytes
+
+    def release_buffers(self) -> None:
+        """The transport is closed: let go of the memory held for receiving."""
+        self._decoder.release()
+
+    @property
     def in_frame(self) -> bool:
         return self._decoder.in_frame
 

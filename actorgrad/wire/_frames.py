@@ -151,7 +151,7 @@ class FrameDecoder:
     # -- feeding -------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Memory the next received bytes should be written into."""
-        if self._error is not None:
+        if self._error is not None or not self._staging:  # (or released: see release)
             return self._view[self._end :] if self._end < len(self._staging) else memoryview(bytearray(1))
         if self._header is not None and self._start == self._end:
             target = self._targets[self._part]
@@ -234,6 +234,22 @@ class FrameDecoder:
             self._parse()
         except ProtocolError as exc:
             self._error = exc
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of receive memory held: the staging area and a partial frame's parts."""
+        return len(self._staging) + len(self._spill) + sum(len(t) for t in self._targets)
+
+    def release(self) -> None:
+        """The connection is closed: let go of the receive memory (nothing more comes;
+        frames decoded already stay)."""
+        self._staging = bytearray()
+        self._view = memoryview(self._staging)
+        self._start = self._end = 0
+        self._spill, self._spilling = bytearray(), None
+        self._header, self._body, self._buffers, self._targets = None, bytearray(), [], []
+        self._part = self._filled = 0
+        self._direct = False
 
     @property
     def buffered_bytes(self) -> int:

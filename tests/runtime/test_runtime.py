@@ -1486,6 +1486,18 @@ async def test_local_group_shutdown_does_not_wait_long_for_a_worker_declared_los
     assert group.processes[0].poll() is not None  # killed, not left stopped
 
 
+async def test_a_closed_connection_lets_go_of_its_receive_buffer(make_process_group, auth_env):
+    """A process that starts group after group (a test suite, a notebook) keeps the
+    earlier groups' objects in the collector's frozen generation for a while: their
+    connections must not hold their 256 KiB receive buffers meanwhile."""
+    group = await start_process_group(make_process_group, 2)
+    assert await ag.rpc_async("worker1", operator.add, args=(1, 2)) == 3
+    protocols = list(group.worker.peers.values())
+    assert protocols and all(p.conn.receive_buffer_bytes > 0 for p in protocols)
+    await group.shutdown()
+    assert [p.conn.receive_buffer_bytes for p in protocols] == [0] * len(protocols)
+
+
 @pytest.mark.slow
 async def test_local_group_shutdown_does_not_wait_long_for_a_worker_given_up_on(make_process_group, auth_env):
     """A stopped worker that worker0's shutdown gave up on (silent for shutdown_timeout)
