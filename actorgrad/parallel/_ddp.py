@@ -750,7 +750,7 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
 # every wrapper of a worker, in creation order (the same on every rank)
 _wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
     weakref.WeakKeyDictionary())
-_backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
+_backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, _GroupLock]] = weakref.WeakKeyDictionary()
 
 
 class _AverageInContext:
@@ -807,16 +807,37 @@ def _status(used: list[bool], late: list[bool], missing: list[bool], failed: boo
     return torch.tensor([float(x) for x in (*used, *late, *missing, failed)])
 
 
-def _backward_lock(worker: Worker, group: Any) -> asyncio.Lock:
-    """The lock that runs one wrapper's backward at a time in ``group`` (taken at once
-    with ``async with``: a lock nobody holds or awaits guards nothing and may go)."""
+class _GroupLock:
+    """An asyncio lock that counts the tasks holding or awaiting it: one that none
+    does guards nothing and may go. (``locked()`` cannot tell: it is False while a
+    release hands the lock to a waiter that has not run yet.)"""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.users = 0
+
+    async def __aenter__(self) -> None:
+        self.users += 1
+        try:
+            await self._lock.acquire()
+        except BaseException:
+            self.users -= 1
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+        self.users -= 1
+
+
+def _backward_lock(worker: Worker, group: Any) -> _GroupLock:
+    """The lock that runs one wrapper's backward at a time in ``group``."""
     locks = _backward_locks.setdefault(worker, {})
     key = None if group is None else group.id
     lock = locks.get(key)
     if lock is None:
-        for idle in [k for k, held in locks.items() if not held.locked()]:
+        for idle in [k for k, other in locks.items() if not other.users]:
             del locks[idle]  # (groups made and destroyed time after time)
-        lock = locks[key] = asyncio.Lock()
+        lock = locks[key] = _GroupLock()
     return lock
 
 

@@ -914,6 +914,45 @@ async def test_wrappers_and_groups_made_again_and_again_leave_bounded_tables(mak
         assert wrappers <= 2 and locks <= 2, (wrappers, locks)
 
 
+async def test_a_groups_backward_lock_is_not_dropped_while_handed_to_a_waiter() -> None:
+    """Idle backward locks go when another group's is needed; one just released to a
+    waiter that has not run yet is not idle (a lock made anew for that group let a
+    third backward run beside the waiter's: their all-reduces paired up wrongly)."""
+    import types
+
+    from actorgrad.parallel._ddp import _backward_lock
+
+    class Worker:  # (the locks are kept per worker object)
+        pass
+
+    worker = Worker()
+    g1, g2 = types.SimpleNamespace(id=1), types.SimpleNamespace(id=2)
+    inside: list[str] = []
+    overlaps: list[tuple[str, list[str]]] = []
+
+    async def backward(name: str, group: Any, hold: float) -> None:
+        async with _backward_lock(worker, group):
+            if group is g1 and inside:
+                overlaps.append((name, list(inside)))
+            if group is g1:
+                inside.append(name)
+            await asyncio.sleep(hold)
+            if group is g1:
+                inside.remove(name)
+
+    async def first_then_another_group() -> None:
+        await backward("A", g1, 0.05)
+        await backward("C", g2, 0.01)  # in the step that released g1's lock to B
+
+    a = asyncio.ensure_future(first_then_another_group())
+    await asyncio.sleep(0.01)
+    b = asyncio.ensure_future(backward("B", g1, 0.2))  # waits for A
+    await asyncio.sleep(0.1)
+    d = asyncio.ensure_future(backward("D", g1, 0.05))  # must wait for B
+    await asyncio.gather(a, b, d)
+    assert overlaps == []
+
+
 async def test_copying_or_saving_a_wrapper_says_what_to_do_instead(make_group: Any) -> None:
     import copy
     import io
