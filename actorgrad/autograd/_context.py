@@ -249,6 +249,7 @@ class DistContext:
     hooked: dict[Any, Any] = field(default_factory=dict)  # stop node -> pre-hook handle
     graph_freed: bool = False  # a backward without retain_graph ran here
     failed_backward: str | None = None  # why a backward started here failed midway
+    given_up: dict[int, str] = field(default_factory=dict)  # sends of failed calls, described
     released: bool = False
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
@@ -276,6 +277,8 @@ class DistContext:
         if (recv := self.recvs.get(message_id)) is not None:
             shapes = ", ".join(str(tuple(t.shape)) for t in recv.leaves)
             return f"tensors of shape {shapes} received from rank {recv.peer}"
+        if (given_up := self.given_up.get(message_id)) is not None:
+            return f"{given_up}, by a call that failed or was given up on here"
         return "unknown"
 
 
@@ -371,9 +374,12 @@ class ContextActor(CallHooks):
         ctx = self.contexts.get(meta[0])
         if ctx is None:
             return
+        message_id = meta[1]
         if sent:
-            ctx.sends.pop(meta[1], None)
-        elif (entry := ctx.recvs.pop(meta[1], None)) is not None:
+            if message_id in ctx.sends:  # (described still, should its peer's side stay)
+                ctx.given_up[message_id] = ctx.describe(message_id)
+                del ctx.sends[message_id]
+        elif (entry := ctx.recvs.pop(message_id, None)) is not None:
             for leaf in entry.leaves:
                 ctx.recv_of_leaf.pop(id(leaf), None)
 

@@ -188,7 +188,10 @@ def _deliver_to_leaf(
         raise ContextError(
             "the graph being differentiated reaches a tensor received by an RPC of another "
             "distributed autograd context (or of one already left): its gradient cannot "
-            "travel back through this one; compute the roots from this context's RPCs"
+            "travel back through this one; compute the roots from this context's RPCs. "
+            "(In this context, it may be the argument of a call that failed or was given "
+            "up on here, which made RPCs of its own before it ended: they stay in the "
+            "context, and mode=\"smart\" leaves them out.)"
         )
     for key in keys:
         if where is None:

@@ -592,6 +592,8 @@ def install_handlers(worker: Worker) -> None:
             except BaseException as exc:
                 value.set_exception(_creation_error(worker, peer, rref_id, exc, func))
                 value.exception()  # retrieved: the error surfaces on the RRef's next use
+                if meta is not None:  # no value: no gradient for its arguments (see _serve_call)
+                    hooks.forget(worker, meta, sent=False)
                 raise
             finally:
                 if created_here and table.entries.get(rref_id) is entry:

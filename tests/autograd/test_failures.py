@@ -316,6 +316,71 @@ async def test_unused_rpc_named_rather_than_a_used_one_it_holds_up(group3):
         assert "shape (4,)" not in str(info.value)
 
 
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_a_remote_whose_creation_failed_is_no_pair_of_the_context(group2, mode):
+    """remote() calls whose function raised or that timed out: the owner forgets its
+    recv as the callee of a failed rpc_async does (FAST mode waited for it)."""
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        for rref in (ag.remote("worker1", _raise_on, args=(x,)),
+                     ag.remote("worker1", _sleepy, args=(x, 0.6), timeout=0.2)):
+            with pytest.raises((ag.RemoteError, ag.RpcTimeout)):
+                await rref.to_here()
+        await asyncio.sleep(0.7)  # the slow one has returned by now
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode=mode), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (lx * 3.0).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
+async def _nested_then_raise(x: torch.Tensor) -> torch.Tensor:
+    await ag.rpc_async("worker2", torch.mul, args=(x, 2.0))
+    raise ValueError("failed after its nested call")
+
+
+async def test_a_failed_call_that_made_rpcs_of_its_own_says_so(group3):
+    """The RPCs a failed call made before it ended stay in the context: FAST mode
+    cannot finish there, and says why and what to do rather than blaming another
+    context; SMART mode leaves them out."""
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(ag.RemoteError, match="failed after its nested call"):
+            await ag.rpc_async("worker1", _nested_then_raise, args=(x,))
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
+        with pytest.raises(ag.RemoteError, match="a call that failed or was given up on"):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], retain_graph=True), 10)
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(ag.RemoteError, match="failed after its nested call"):
+            await ag.rpc_async("worker1", _nested_then_raise, args=(x,))
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode="smart"), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (lx * 3.0).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
+async def _block_the_loop_then_double(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.8)  # noqa: ASYNC251 - on purpose: the cancel is read after the reply left
+    return x * 2
+
+
+async def test_a_call_given_up_on_whose_reply_came_anyway_is_described(make_process_group):
+    """The callee answered before it read the caller's cancel, so its side of the pair
+    stays; FAST mode names the pair, described by the caller as one it gave up on."""
+    await make_process_group(2)  # (the callee blocks its own loop, not ours)
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(ag.RpcTimeout):
+            await ag.rpc_async("worker1", _block_the_loop_then_double, args=(x,), timeout=0.3)
+        await asyncio.sleep(0.8)  # the late answer came and was dropped
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
+        with pytest.raises(ag.ContextError, match=r"shape \(3,\) sent to rank 1, by a call that failed or was given up on"):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
+
+
 def _function_class_of_this_call() -> type[torch.autograd.Function]:
     class Doubled(torch.autograd.Function):
         @staticmethod
