@@ -323,6 +323,7 @@ class RRef(Generic[T]):
         worker = self._live_worker()
         if self._value is not None:
             return await self._owner_value(self._value, timeout)
+        self._check_not_given_up()
         src, reply = _api.send_request(worker, self._owner, "rref.fetch", (self._id,), timeout)
         try:
             payload = await reply
@@ -330,7 +331,19 @@ class RRef(Generic[T]):
             # a failed fetch's future holds the error, whose traceback holds this frame:
             # without this the cycle kept the RRef (and the owner's entry) until a gc
             del reply
+        self._check_not_given_up()  # (it may have expired meanwhile)
         return _api.load_value(worker, payload, src)
+
+    def _check_not_given_up(self) -> None:
+        """Raise when this worker gave up on the remote() call that makes the value (its
+        timeout): the owner may still have made it (its loop busy, the cancel late), but
+        it belongs to a call forgotten here (in an autograd context, its send is gone)."""
+        creation = self._creation
+        if creation is not None and creation.done() and not creation.cancelled() \
+                and isinstance(error := creation.exception(), RpcTimeout):
+            raise RpcTimeout(f"the remote() call creating RRef {self._id} on {self.owner_name()} gave "
+                             f"up: {error}") \
+                from error
 
     def to_here_sync(self, timeout: float | None = None) -> T:
         """Blocking :meth:`to_here` (torch's ``rref.to_here()``), for plain code: a

@@ -381,6 +381,25 @@ async def test_a_call_given_up_on_whose_reply_came_anyway_is_described(make_proc
             await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
 
 
+async def test_a_remote_given_up_on_is_not_fetched_when_its_value_came_anyway(make_process_group):
+    """remote(timeout=...) gave up while the owner, its loop busy, still made the value:
+    to_here raises that the creation timed out, as documented, rather than hand over a
+    value tied to a call the caller forgot (its backward failed with 'no send entry')."""
+    await make_process_group(2)  # (the owner blocks its own loop, not ours)
+    x = torch.rand(3, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        rref = ag.remote("worker1", _block_the_loop_then_double, args=(x,), timeout=0.3)
+        await asyncio.sleep(1.0)  # the value is there by now
+        with pytest.raises(ag.RpcTimeout, match="remote.. call creating RRef"):
+            await rref.to_here()
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
+        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode="smart"), 10)
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    (lx * 3.0).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
 def _function_class_of_this_call() -> type[torch.autograd.Function]:
     class Doubled(torch.autograd.Function):
         @staticmethod
