@@ -457,8 +457,13 @@ class DistributedDataParallel(nn.Module):
             )
         # One backward of this worker's wrappers at a time (per group): the collectives
         # of two at once would pair up across ranks in the order their hooks fire,
-        # averaging one model's buckets with the other's.
-        async with _backward_lock(self._worker, self.group):
+        # averaging one model's buckets with the other's. That holds for every group
+        # whose wrappers this loss reaches (averaged here too), taken in one order.
+        groups = {_group_key(self.group): self.group}
+        groups.update((_group_key(w.group), w.group) for w in self._reached_others(loss, taken_too=True))
+        async with contextlib.AsyncExitStack() as held:
+            for key in sorted(groups, key=_lock_order):
+                await held.enter_async_context(_backward_lock(self._worker, groups[key]))
             await self._backward(loss, gradient, retain_graph)
 
     async def _backward(self, loss: torch.Tensor, gradient: torch.Tensor | None,
@@ -535,10 +540,12 @@ class DistributedDataParallel(nn.Module):
         self._launch_ready()
         return missing
 
-    def _reached_others(self, loss: Any) -> list[DistributedDataParallel]:
-        """This worker's other wrappers, synchronising, whose parameters ``loss`` reaches."""
+    def _reached_others(self, loss: Any, taken_too: bool = False) -> list[DistributedDataParallel]:
+        """This worker's other wrappers, synchronising, whose parameters ``loss`` reaches
+        (``taken_too``: also those another backward has taken for now)."""
         others = [w for ref in _wrappers.get(self._worker, []) if (w := ref()) is not None
-                  and w is not self and w._armed and w.require_backward_grad_sync and not w._active]
+                  and w is not self and w._armed and w.require_backward_grad_sync
+                  and (taken_too or not w._active)]
         if not others or not isinstance(loss, torch.Tensor):
             return []
         reached = _reached_leaves([loss])
@@ -829,10 +836,20 @@ class _GroupLock:
         self.users -= 1
 
 
+def _group_key(group: Any) -> int | None:
+    return None if group is None else group.id
+
+
+def _lock_order(key: int | None) -> tuple[bool, int]:
+    """The order in which a backward takes several groups' locks (one order for all:
+    two backwards that need the same two never hold one each)."""
+    return (key is not None, key or 0)
+
+
 def _backward_lock(worker: Worker, group: Any) -> _GroupLock:
     """The lock that runs one wrapper's backward at a time in ``group``."""
     locks = _backward_locks.setdefault(worker, {})
-    key = None if group is None else group.id
+    key = _group_key(group)
     lock = locks.get(key)
     if lock is None:
         for idle in [k for k, other in locks.items() if not other.users]:

@@ -914,6 +914,51 @@ async def test_wrappers_and_groups_made_again_and_again_leave_bounded_tables(mak
         assert wrappers <= 2 and locks <= 2, (wrappers, locks)
 
 
+async def test_a_loss_reaching_a_wrapper_of_another_group_waits_for_that_groups_backward(
+        make_group: Any) -> None:
+    """W1 (world) and W2 (a subgroup) under one loss, beside a backward of W3 in that
+    subgroup: W1's backward averages W2 too, so it must hold the subgroup's lock as
+    well; with only its own, W2's all-reduces paired up with W3's across ranks
+    (silently wrong gradients on every rank)."""
+    group: InProcessGroup = await make_group(2)
+
+    def data(rank: int, which: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * rank + which)
+        n = 200_000 if (rank == 0 and which == 3) else 4  # rank 0's W3 backward is slow
+        return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+    def expected() -> dict[str, list[torch.Tensor]]:
+        per: dict[str, list[list[torch.Tensor]]] = {"W1W2": [], "W3": []}
+        for r in range(2):
+            m1, m2, m3 = mlp(1), mlp(2), mlp(3)
+            x, y = data(r, 1)
+            (nn.functional.mse_loss(m1(x), y) + nn.functional.mse_loss(m2(x), y)).backward()
+            per["W1W2"].append([p.grad for m in (m1, m2) for p in m.parameters()])
+            x, y = data(r, 3)
+            nn.functional.mse_loss(m3(x), y).backward()
+            per["W3"].append([p.grad for p in m3.parameters()])
+        return {k: [sum(t) / 2 for t in zip(*v, strict=True)] for k, v in per.items()}
+
+    async def body(rank: int) -> dict[str, list[torch.Tensor]]:
+        sub = C.new_group([0, 1])
+        m1, m2, m3 = mlp(1), mlp(2), mlp(3)
+        d1 = await DDP.create(m1, bucket_cap_mb=1e-4)
+        d2 = await DDP.create(m2, bucket_cap_mb=1e-4, group=sub)
+        d3 = await DDP.create(m3, bucket_cap_mb=1e-4, group=sub)
+        x1, y1 = data(rank, 1)
+        x3, y3 = data(rank, 3)
+        l1 = nn.functional.mse_loss(d1(x1), y1) + nn.functional.mse_loss(d2(x1), y1)
+        l3 = nn.functional.mse_loss(d3(x3), y3)
+        await asyncio.gather(d1.backward(l1), d3.backward(l3))
+        return {"W1W2": [p.grad for m in (m1, m2) for p in m.parameters()], "W3": [p.grad for p in m3.parameters()]}
+
+    want = expected()
+    for got in await run_all(group, body):
+        for key in want:
+            for g, w in zip(got[key], want[key], strict=True):
+                assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
 async def test_a_groups_backward_lock_is_not_dropped_while_handed_to_a_waiter() -> None:
     """Idle backward locks go when another group's is needed; one just released to a
     waiter that has not run yet is not idle (a lock made anew for that group let a
