@@ -606,8 +606,9 @@ class EngineActor:
         recv = ctx.recvs[message_id]
         recv.fired = True
         grads = task.plan.recvs[message_id].grads  # type: ignore[union-attr]
-        return self._message(ctx, task, recv.peer, message_id,
-                             tuple(travelling(grads.get(i)) for i in range(len(recv.leaves))), reply, report)
+        travel = tuple(travelling(grads.get(i)) for i in range(len(recv.leaves)))
+        grads.clear()  # (the message holds them now: the pass's state must not, to its end)
+        return self._message(ctx, task, recv.peer, message_id, travel, reply, report)
 
     def _message(
         self, ctx: DistContext, task: GraphTask, to: int, message_id: int, grads: tuple[Any, ...],
@@ -724,6 +725,7 @@ class EngineActor:
             grads: list[torch.Tensor | None] = [None] * width
             for i, j in enumerate(order):
                 grads[j] = by_leaf.get(i)
+            by_leaf.clear()  # (as in _propagation)
             report = report.merge(BackwardReport(pairs=frozenset(), fired=frozenset((recv_id, send_id))))
             if source != self.worker.rank:
                 message = self._message(ctx, task, source, send_id, tuple(travelling(g) for g in grads))

@@ -442,6 +442,32 @@ async def test_context_left_in_another_thread_is_released_from_the_loop(group3):
     assert await ag.rpc_async("worker1", _tells_from_other_threads) == []
 
 
+def _gradient_bytes_kept_by_backward_passes(context_id: int) -> int:
+    """Bytes of the gradients this worker's backward passes of the context still hold."""
+    ctx = ag.autograd._context.context_actor().contexts[context_id]
+    return sum(g.numel() * g.element_size() for task in ctx.graph_tasks.values() if task.plan is not None
+               for share in task.plan.recvs.values() for g in share.grads.values())
+
+
+@pytest.mark.parametrize("mode", ["fast", "smart"])
+async def test_backward_passes_let_go_of_the_gradients_they_sent(group2, mode):
+    """Each pass (retain_graph=True, in one context) left the gradients worker1 sent
+    back in its state for the pass until the context ended: memory grew by the
+    gradients' size with every pass."""
+    x = torch.rand(64, 64, requires_grad=True)
+    w = torch.rand(64, 64)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.matmul, args=(x, w))
+        for _ in range(3):
+            await ag.autograd.backward(context_id, [y.sum()], retain_graph=True, mode=mode)
+        assert await ag.rpc_async("worker1", _gradient_bytes_kept_by_backward_passes, args=(context_id,)) == 0
+        grads = ag.autograd.get_gradients(context_id)
+    (lx,) = local_copies(x)
+    for _ in range(3):
+        (lx @ w).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
 async def test_late_message_does_not_recreate_a_released_context(group3):
     x = rand3()
     async with ag.autograd.context() as context_id:
