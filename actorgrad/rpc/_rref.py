@@ -339,11 +339,10 @@ class RRef(Generic[T]):
         timeout): the owner may still have made it (its loop busy, the cancel late), but
         it belongs to a call forgotten here (in an autograd context, its send is gone)."""
         creation = self._creation
-        if creation is not None and creation.done() and not creation.cancelled() \
-                and isinstance(error := creation.exception(), RpcTimeout):
+        if creation is not None and getattr(creation, "expired", False):
+            error = creation.exception()
             raise RpcTimeout(f"the remote() call creating RRef {self._id} on {self.owner_name()} gave "
-                             f"up: {error}") \
-                from error
+                             f"up: {error}") from error
 
     def to_here_sync(self, timeout: float | None = None) -> T:
         """Blocking :meth:`to_here` (torch's ``rref.to_here()``), for plain code: a
@@ -425,6 +424,7 @@ class RRef(Generic[T]):
 
     def __reduce__(self) -> Any:
         worker = self._live_worker()
+        self._check_not_given_up()  # (sent on, its value would reach the program after all)
         holder = _api.sending_to.get()  # where the pickled RRef goes
         if holder is None:
             # The owner must learn of every copy (a fork) and of the worker holding it;
@@ -504,6 +504,7 @@ class _Proxy:
 
     def __getattr__(self, name: str) -> Any:
         def invoke(*args: Any, **kwargs: Any) -> Any:
+            self._rref._check_not_given_up()  # as to_here
             return self._how(self._rref._owner, _call_method, args=(self._rref, name, args, kwargs),
                              timeout=self._timeout)
         return invoke

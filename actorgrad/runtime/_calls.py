@@ -57,6 +57,7 @@ class CallFuture(asyncio.Future[Any]):
     decode: Callable[[Payload], Any] | None
     table: PendingCalls
     runs: Any = None  # the remote function, when there is one (named when the call expires)
+    expired = False  # failed by its own timeout here (not by an error that came back)
 
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg):

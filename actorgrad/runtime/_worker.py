@@ -934,6 +934,7 @@ class Worker:
         runs = future.runs
         what = "call" if runs is None else (
             f"call of {getattr(runs, '__qualname__', None) or type(runs).__qualname__}")
+        future.expired = True
         future.set_exception(RpcTimeout(
             f"{what} to {future.peer.name} timed out after {limit}s (the limit is the call's "
             "timeout=, else RpcOptions.rpc_timeout; 0 waits as long as it takes)"))

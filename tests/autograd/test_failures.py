@@ -392,12 +392,34 @@ async def test_a_remote_given_up_on_is_not_fetched_when_its_value_came_anyway(ma
         await asyncio.sleep(1.0)  # the value is there by now
         with pytest.raises(ag.RpcTimeout, match="remote.. call creating RRef"):
             await rref.to_here()
+        with pytest.raises(ag.RpcTimeout, match="remote.. call creating RRef"):
+            await rref.rpc_async().sum()  # the proxies alike
+        with pytest.raises(ag.RpcTimeout, match="remote.. call creating RRef"):
+            await ag.rpc_async("worker1", _fetch, args=(rref,))  # nor is it sent on
         y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
         await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode="smart"), 10)
         grads = ag.autograd.get_gradients(context_id)
     (lx,) = local_copies(x)
     (lx * 3.0).sum().backward()
     assert_grads(grads, [(x, lx.grad)])
+
+
+async def _fetch(rref: ag.RRef) -> torch.Tensor:
+    return await rref.to_here()
+
+
+async def _nested_call_timing_out(x: torch.Tensor) -> torch.Tensor:
+    return await ag.rpc_async("worker0", _sleepy, args=(x, 0.5), timeout=0.1)
+
+
+async def test_a_remote_whose_function_timed_out_is_not_said_to_be_given_up(group2):
+    """The remote() call had no limit; its function's own call timed out: to_here
+    raises that error, not that this worker gave up on the creation."""
+    rref = ag.remote("worker1", _nested_call_timing_out, args=(torch.ones(2),), timeout=0)
+    await asyncio.sleep(0.3)  # its creation has failed by now
+    with pytest.raises(ag.RpcTimeout) as info:
+        await rref.to_here()
+    assert "gave up" not in str(info.value) and "_sleepy" in str(info.value)
 
 
 def _function_class_of_this_call() -> type[torch.autograd.Function]:
