@@ -58,7 +58,7 @@ import dataclasses
 import functools
 import numbers
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -455,15 +455,13 @@ class DistributedDataParallel(nn.Module):
                 "a backward of this DistributedDataParallel module is running already (its "
                 "own, or another wrapper's whose loss reaches its parameters)"
             )
-        # One backward of this worker's wrappers at a time (per group): the collectives
-        # of two at once would pair up across ranks in the order their hooks fire,
-        # averaging one model's buckets with the other's. That holds for every group
-        # whose wrappers this loss reaches (averaged here too), taken in one order.
-        groups = {_group_key(self.group): self.group}
-        groups.update((_group_key(w.group), w.group) for w in self._reached_others(loss, taken_too=True))
-        async with contextlib.AsyncExitStack() as held:
-            for key in sorted(groups, key=_lock_order):
-                await held.enter_async_context(_backward_lock(self._worker, groups[key]))
+        # One backward of this worker's wrappers at a time per group, in the order they
+        # were called: the collectives of two at once would pair up across ranks in
+        # the order their hooks fire, averaging one model's buckets with the other's.
+        # That holds for every group whose wrappers this loss reaches (averaged too).
+        groups = {_group_key(self.group)}
+        groups.update(_group_key(w.group) for w in self._reached_others(loss, taken_too=True))
+        async with _turns(self._worker).turn(groups):
             await self._backward(loss, gradient, retain_graph)
 
     async def _backward(self, loss: torch.Tensor, gradient: torch.Tensor | None,
@@ -757,7 +755,7 @@ def _local_backward(loss: torch.Tensor, gradient: torch.Tensor | None, retain_gr
 # every wrapper of a worker, in creation order (the same on every rank)
 _wrappers: weakref.WeakKeyDictionary[Worker, list[weakref.ref[DistributedDataParallel]]] = (
     weakref.WeakKeyDictionary())
-_backward_locks: weakref.WeakKeyDictionary[Worker, dict[Any, _GroupLock]] = weakref.WeakKeyDictionary()
+_backward_turns: weakref.WeakKeyDictionary[Worker, _Turns] = weakref.WeakKeyDictionary()
 
 
 class _AverageInContext:
@@ -779,7 +777,7 @@ class _AverageInContext:
 
     async def done(self, worker: Worker, ctx: Any) -> None:
         for wrapper in self._taking_part(worker, ctx):
-            async with _backward_lock(worker, wrapper.group):
+            async with _turns(worker).turn({_group_key(wrapper.group)}):
                 await wrapper._average_in_context(ctx.grads)
 
     def failed(self, worker: Worker, ctx: Any) -> None:
@@ -814,48 +812,54 @@ def _status(used: list[bool], late: list[bool], missing: list[bool], failed: boo
     return torch.tensor([float(x) for x in (*used, *late, *missing, failed)])
 
 
-class _GroupLock:
-    """An asyncio lock that counts the tasks holding or awaiting it: one that none
-    does guards nothing and may go. (``locked()`` cannot tell: it is False while a
-    release hands the lock to a waiter that has not run yet.)"""
+class _Turns:
+    """The backwards of one worker's wrappers take their turns in the order they were
+    called: each starts once no backward called before it, running or waiting, needs
+    one of its groups. So a group runs one backward at a time, and ranks that call
+    their backwards in the same order run them in that order in every group, also when
+    one needs several groups (per-group locks taken one by one let a later backward
+    overtake one waiting for its first lock, on one rank and not another)."""
 
     def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-        self.users = 0
+        self._queue: list[tuple[frozenset[int | None]]] = []  # in call order (by identity)
+        self._moved: asyncio.Future[None] | None = None  # done when one ends
 
-    async def __aenter__(self) -> None:
-        self.users += 1
+    def _blocked(self, entry: tuple[frozenset[int | None]]) -> bool:
+        for other in self._queue:
+            if other is entry:
+                return False
+            if other[0] & entry[0]:
+                return True
+        return False
+
+    @contextlib.asynccontextmanager
+    async def turn(self, groups: set[int | None]) -> AsyncIterator[None]:
+        entry = (frozenset(groups),)
+        self._queue.append(entry)
         try:
-            await self._lock.acquire()
-        except BaseException:
-            self.users -= 1
-            raise
+            while self._blocked(entry):
+                if self._moved is None or self._moved.done():
+                    self._moved = asyncio.get_running_loop().create_future()
+                await asyncio.shield(self._moved)  # (shared: one waiter's cancel is its own)
+            yield
+        finally:
+            self._queue.remove(entry)
+            if self._moved is not None and not self._moved.done():
+                self._moved.set_result(None)
 
-    async def __aexit__(self, *exc: object) -> None:
-        self._lock.release()
-        self.users -= 1
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+def _turns(worker: Worker) -> _Turns:
+    turns = _backward_turns.get(worker)
+    if turns is None:
+        turns = _backward_turns[worker] = _Turns()
+    return turns
 
 
 def _group_key(group: Any) -> int | None:
     return None if group is None else group.id
-
-
-def _lock_order(key: int | None) -> tuple[bool, int]:
-    """The order in which a backward takes several groups' locks (one order for all:
-    two backwards that need the same two never hold one each)."""
-    return (key is not None, key or 0)
-
-
-def _backward_lock(worker: Worker, group: Any) -> _GroupLock:
-    """The lock that runs one wrapper's backward at a time in ``group``."""
-    locks = _backward_locks.setdefault(worker, {})
-    key = _group_key(group)
-    lock = locks.get(key)
-    if lock is None:
-        for idle in [k for k, other in locks.items() if not other.users]:
-            del locks[idle]  # (groups made and destroyed time after time)
-        lock = locks[key] = _GroupLock()
-    return lock
 
 
 def _reached_leaves(outputs: list[torch.Tensor]) -> set[int]:

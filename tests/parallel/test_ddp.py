@@ -894,7 +894,7 @@ async def test_wrappers_and_groups_made_again_and_again_leave_bounded_tables(mak
     """A job that wraps a model in a fresh subgroup time after time (a sweep, a
     re-wrap each epoch): the dead wrappers and the destroyed groups' locks used to
     stay listed, one more each time, and every backward scanned them all."""
-    from actorgrad.parallel._ddp import _backward_locks
+    from actorgrad.parallel._ddp import _backward_turns
     from actorgrad.runtime import get_worker
 
     group: InProcessGroup = await make_group(2)
@@ -908,7 +908,7 @@ async def test_wrappers_and_groups_made_again_and_again_leave_bounded_tables(mak
             del ddp
             C.destroy_process_group(sub)
         worker = get_worker()
-        return len(_wrappers.get(worker, [])), len(_backward_locks.get(worker, {}))
+        return len(_wrappers.get(worker, [])), len(_backward_turns.get(worker, []))
 
     for wrappers, locks in await run_all(group, body):
         assert wrappers <= 2 and locks <= 2, (wrappers, locks)
@@ -959,13 +959,67 @@ async def test_a_loss_reaching_a_wrapper_of_another_group_waits_for_that_groups_
                 assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
+async def test_backwards_take_their_turns_in_the_order_they_were_called(make_group: Any) -> None:
+    """Every rank calls C (world), A (world, and a subgroup its loss reaches too), B
+    (subgroup) in this order; rank 0 calls B a little later. B must not overtake A
+    on rank 1 while A waits for C: the ranks would pair A's and B's collectives in
+    different orders (each rank waiting on the other until the collective timeout)."""
+    group: InProcessGroup = await make_group(2)
+
+    def data(rank: int, which: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * rank + which)
+        return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+    def expected() -> list[list[torch.Tensor]]:
+        per: list[list[list[torch.Tensor]]] = [[], [], []]
+        for r in range(2):
+            m0, m1, m2, m3 = mlp(0), mlp(1), mlp(2), mlp(3)
+            x, y = data(r, 0)
+            nn.functional.mse_loss(m0(x), y).backward()
+            x, y = data(r, 1)
+            (nn.functional.mse_loss(m1(x), y) + nn.functional.mse_loss(m2(x), y)).backward()
+            x, y = data(r, 3)
+            nn.functional.mse_loss(m3(x), y).backward()
+            for i, models in enumerate(((m0,), (m1, m2), (m3,))):
+                per[i].append([p.grad for m in models for p in m.parameters()])
+        return [[sum(t) / 2 for t in zip(*v, strict=True)] for v in per]
+
+    async def body(rank: int) -> list[list[torch.Tensor]]:
+        sub = C.new_group([0, 1])
+        m0, m1, m2, m3 = mlp(0), mlp(1), mlp(2), mlp(3)
+        d0 = await DDP.create(m0, bucket_cap_mb=1e-4)
+        d1 = await DDP.create(m1, bucket_cap_mb=1e-4)
+        d2 = await DDP.create(m2, bucket_cap_mb=1e-4, group=sub)
+        d3 = await DDP.create(m3, bucket_cap_mb=1e-4, group=sub)
+        (x0, y0), (x1, y1), (x3, y3) = data(rank, 0), data(rank, 1), data(rank, 3)
+        lc = nn.functional.mse_loss(d0(x0), y0)
+        la = nn.functional.mse_loss(d1(x1), y1) + nn.functional.mse_loss(d2(x1), y1)
+        lb = nn.functional.mse_loss(d3(x3), y3)
+        c = asyncio.ensure_future(d0.backward(lc))
+        await asyncio.sleep(0)
+        a = asyncio.ensure_future(d1.backward(la))
+        await asyncio.sleep(0.5 if rank == 0 else 0)
+        b = asyncio.ensure_future(d3.backward(lb))
+        await asyncio.wait_for(asyncio.gather(c, a, b), 20)
+        return [[p.grad for m in models for p in m.parameters()] for models in ((m0,), (m1, m2), (m3,))]
+
+    want = expected()
+    for got in await run_all(group, body):
+        for g_part, w_part in zip(got, want, strict=True):
+            for g, w in zip(g_part, w_part, strict=True):
+                assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
 async def test_a_groups_backward_lock_is_not_dropped_while_handed_to_a_waiter() -> None:
     """Idle backward locks go when another group's is needed; one just released to a
     waiter that has not run yet is not idle (a lock made anew for that group let a
     third backward run beside the waiter's: their all-reduces paired up wrongly)."""
     import types
 
-    from actorgrad.parallel._ddp import _backward_lock
+    from actorgrad.parallel._ddp import _turns
+
+    def _backward_lock(worker: Any, group: Any) -> Any:
+        return _turns(worker).turn({group.id})
 
     class Worker:  # (the locks are kept per worker object)
         pass
