@@ -316,6 +316,19 @@ async def test_unused_rpc_named_rather_than_a_used_one_it_holds_up(group3):
         assert "shape (4,)" not in str(info.value)
 
 
+async def _backward_of_a_used_call(context_id: int, x: torch.Tensor, mode: str) -> dict[torch.Tensor, torch.Tensor]:
+    """A call whose output the loss uses, after the failed ones; its backward's gradients."""
+    y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
+    await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode=mode), 10)
+    return ag.autograd.get_gradients(context_id)
+
+
+def _assert_three_times(grads: dict[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:
+    (lx,) = local_copies(x)
+    (lx * 3.0).sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
+
+
 @pytest.mark.parametrize("mode", ["fast", "smart"])
 async def test_a_remote_whose_creation_failed_is_no_pair_of_the_context(group2, mode):
     """remote() calls whose function raised or that timed out: the owner forgets its
@@ -327,12 +340,8 @@ async def test_a_remote_whose_creation_failed_is_no_pair_of_the_context(group2, 
             with pytest.raises((ag.RemoteError, ag.RpcTimeout)):
                 await rref.to_here()
         await asyncio.sleep(0.7)  # the slow one has returned by now
-        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
-        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode=mode), 10)
-        grads = ag.autograd.get_gradients(context_id)
-    (lx,) = local_copies(x)
-    (lx * 3.0).sum().backward()
-    assert_grads(grads, [(x, lx.grad)])
+        grads = await _backward_of_a_used_call(context_id, x, mode)
+    _assert_three_times(grads, x)
 
 
 async def _nested_then_raise(x: torch.Tensor) -> torch.Tensor:
@@ -354,12 +363,8 @@ async def test_a_failed_call_that_made_rpcs_of_its_own_says_so(group3):
     async with ag.autograd.context() as context_id:
         with pytest.raises(ag.RemoteError, match="failed after its nested call"):
             await ag.rpc_async("worker1", _nested_then_raise, args=(x,))
-        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
-        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode="smart"), 10)
-        grads = ag.autograd.get_gradients(context_id)
-    (lx,) = local_copies(x)
-    (lx * 3.0).sum().backward()
-    assert_grads(grads, [(x, lx.grad)])
+        grads = await _backward_of_a_used_call(context_id, x, "smart")
+    _assert_three_times(grads, x)
 
 
 async def _block_the_loop_then_double(x: torch.Tensor) -> torch.Tensor:
@@ -396,12 +401,8 @@ async def test_a_remote_given_up_on_is_not_fetched_when_its_value_came_anyway(ma
             await rref.rpc_async().sum()  # the proxies alike
         with pytest.raises(ag.RpcTimeout, match="remote.. call creating RRef"):
             await ag.rpc_async("worker1", _fetch, args=(rref,))  # nor is it sent on
-        y = await ag.rpc_async("worker1", torch.mul, args=(x, 3.0))
-        await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()], mode="smart"), 10)
-        grads = ag.autograd.get_gradients(context_id)
-    (lx,) = local_copies(x)
-    (lx * 3.0).sum().backward()
-    assert_grads(grads, [(x, lx.grad)])
+        grads = await _backward_of_a_used_call(context_id, x, "smart")
+    _assert_three_times(grads, x)
 
 
 async def _fetch(rref: ag.RRef) -> torch.Tensor:
