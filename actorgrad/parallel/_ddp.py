@@ -821,20 +821,20 @@ class _Turns:
     overtake one waiting for its first lock, on one rank and not another)."""
 
     def __init__(self) -> None:
-        self._queue: list[tuple[frozenset[int | None]]] = []  # in call order (by identity)
+        self._queue: list[_Turn] = []  # in call order
         self._moved: asyncio.Future[None] | None = None  # done when one ends
 
-    def _blocked(self, entry: tuple[frozenset[int | None]]) -> bool:
+    def _blocked(self, entry: _Turn) -> bool:
         for other in self._queue:
             if other is entry:
                 return False
-            if other[0] & entry[0]:
+            if other.groups & entry.groups:
                 return True
         return False
 
     @contextlib.asynccontextmanager
     async def turn(self, groups: set[int | None]) -> AsyncIterator[None]:
-        entry = (frozenset(groups),)
+        entry = _Turn(frozenset(groups))
         self._queue.append(entry)
         try:
             while self._blocked(entry):
@@ -849,6 +849,16 @@ class _Turns:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+
+class _Turn:
+    """One backward's place in the queue (equal only to itself: two of the same groups
+    are two places)."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: frozenset[int | None]) -> None:
+        self.groups = groups
 
 
 def _turns(worker: Worker) -> _Turns:

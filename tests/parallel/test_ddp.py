@@ -1010,6 +1010,37 @@ async def test_backwards_take_their_turns_in_the_order_they_were_called(make_gro
                 assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
+async def test_a_cancelled_waiter_gives_up_its_own_turn_not_the_running_ones() -> None:
+    """Two backwards of one group: the second, waiting, is cancelled and leaves the
+    queue (else the third would wait for good); the third still waits for the first."""
+    from actorgrad.parallel._ddp import _turns
+
+    class Worker:  # (the queues are kept per worker object)
+        pass
+
+    worker = Worker()
+    running: list[str] = []
+    overlaps: list[list[str]] = []
+
+    async def backward(name: str, hold: float) -> None:
+        async with _turns(worker).turn({1}):
+            if running:
+                overlaps.append([*running, name])
+            running.append(name)
+            await asyncio.sleep(hold)
+            running.remove(name)
+
+    first = asyncio.ensure_future(backward("first", 0.2))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(backward("second", 0.01))
+    await asyncio.sleep(0.01)
+    second.cancel()
+    await asyncio.sleep(0.01)
+    third = asyncio.ensure_future(backward("third", 0.01))
+    await asyncio.gather(first, third)
+    assert second.cancelled() and overlaps == []
+
+
 async def test_a_groups_backward_lock_is_not_dropped_while_handed_to_a_waiter() -> None:
     """Idle backward locks go when another group's is needed; one just released to a
     waiter that has not run yet is not idle (a lock made anew for that group let a
