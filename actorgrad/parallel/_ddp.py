@@ -459,17 +459,18 @@ class DistributedDataParallel(nn.Module):
         # were called: the collectives of two at once would pair up across ranks in
         # the order their hooks fire, averaging one model's buckets with the other's.
         # That holds for every group whose wrappers this loss reaches (averaged too).
-        groups = {_group_key(self.group)}
-        groups.update(_group_key(w.group) for w in self._reached_others(loss, taken_too=True))
+        reached = self._reached_others(loss)  # (those another backward has taken too)
+        groups = {_group_key(self.group), *(_group_key(w.group) for w in reached)}
         async with _turns(self._worker).turn(groups):
-            await self._backward(loss, gradient, retain_graph)
+            await self._backward(loss, gradient, retain_graph, reached)
 
     async def _backward(self, loss: torch.Tensor, gradient: torch.Tensor | None,
-                        retain_graph: bool | None) -> None:
+                        retain_graph: bool | None, reached: list[DistributedDataParallel]) -> None:
         # in no_sync() this one's gradients stay local, but those of other wrappers the
-        # loss reaches are averaged still
+        # loss reaches are averaged still (of those, the ones still to average after
+        # the wait for this turn: another backward may have taken one meanwhile)
         own = [self] if self.require_backward_grad_sync else []
-        wrappers = own + self._reached_others(loss)
+        wrappers = own + [w for w in reached if w._synchronising() and not w._active]
         local = functools.partial(_local_backward, loss, gradient, retain_graph)
         if not wrappers:
             await _to_its_end(self._worker.run_blocking(local))
@@ -538,12 +539,15 @@ class DistributedDataParallel(nn.Module):
         self._launch_ready()
         return missing
 
-    def _reached_others(self, loss: Any, taken_too: bool = False) -> list[DistributedDataParallel]:
+    def _synchronising(self) -> bool:
+        """Whether a backward would average this wrapper's gradients now."""
+        return self._armed and self.require_backward_grad_sync
+
+    def _reached_others(self, loss: Any) -> list[DistributedDataParallel]:
         """This worker's other wrappers, synchronising, whose parameters ``loss`` reaches
-        (``taken_too``: also those another backward has taken for now)."""
+        (also those another backward has taken for now)."""
         others = [w for ref in _wrappers.get(self._worker, []) if (w := ref()) is not None
-                  and w is not self and w._armed and w.require_backward_grad_sync
-                  and (taken_too or not w._active)]
+                  and w is not self and w._synchronising()]
         if not others or not isinstance(loss, torch.Tensor):
             return []
         reached = _reached_leaves([loss])
@@ -772,7 +776,7 @@ class _AverageInContext:
         # those whose forward ran in this context, whatever gradients came (on every
         # rank alike); one waiting for its own ddp.backward is left alone
         return [w for ref in _wrappers.get(worker, []) if (w := ref()) is not None
-                and w._armed and w.require_backward_grad_sync and not w._active
+                and w._synchronising() and not w._active
                 and w._forward_context == ctx.context_id]
 
     async def done(self, worker: Worker, ctx: Any) -> None:
