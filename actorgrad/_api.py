@@ -21,7 +21,10 @@ def load_layers() -> None:
     """Import the layers above the runtime: each adds its setup to ``worker_setup`` on
     import, and every worker must serve all of them whatever its program imported."""
     from . import autograd, collective, optim, parallel, rpc  # noqa: F401
+    from .runtime._cma import setup as cma_setup
 
+    if cma_setup not in worker_setup:  # (before the layers that read peers' memory)
+        worker_setup.insert(0, cma_setup)
     if rpc.install_handlers not in worker_setup:
         worker_setup.append(rpc.install_handlers)
 

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from .._errors import CollectiveError, CollectiveRankLost
-from ..runtime import Worker, get_worker
+from ..runtime import Worker, _cma, get_worker
 from ..wire import Payload
-from . import _arena, _cma, _ops
+from . import _arena, _ops
 from ._arena_channel import ArenaChannel
 from ._ops import (
     Barrier,
@@ -63,8 +63,6 @@ from ._types import Group, ReduceOp
 log = logging.getLogger("actorgrad.collective")
 
 P2P_TARGET = "collective.p2p"
-CMA_PROBE_TARGET = "collective.cma_probe"
-CMA_REPLY_TARGET = "collective.cma_reply"
 P2P_ACK_TARGET = "collective.p2p_ack"
 
 RING_MIN_BYTES = 256 << 10  # all_reduce / reduce of at least this size use the ring
@@ -128,12 +126,8 @@ class CollectiveActor:
         self._sweeper: asyncio.TimerHandle | None = None
         self._sigs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.closed = False
-        self.use_cma = _cma.available()
-        self._cma: dict[int, bool | None] = {}  # peer -> can it read our memory (None: probing)
-        self._peer_pid: dict[int, int] = {}  # peers whose memory we can read
-        self._token = _cma.Token() if self.use_cma else None
-        worker.register(CMA_PROBE_TARGET, self._on_cma_probe, tell_only=True)
-        worker.register(CMA_REPLY_TARGET, self._on_cma_reply, tell_only=True)
+        self._cma = _cma.cma_peers(worker)
+        self.use_cma = self._cma.enabled  # (tests turn it off to take the other path)
         worker.register(_ops.MSG_TARGET, self._on_msg, tell_only=True)
         worker.register(P2P_TARGET, self._on_p2p, tell_only=True)
         worker.register(P2P_ACK_TARGET, self._on_p2p_ack, tell_only=True)
@@ -393,32 +387,11 @@ class CollectiveActor:
 
     # -- cross-memory attach ---------------------------------------------------------
     def cma_ok(self, rank: int) -> bool:
-        """Whether ``rank`` reads our large data from our memory; starts the probe the
-        first time it is asked (until the answer arrives, data goes over the wire)."""
-        state = self._cma.get(rank, False if not self.use_cma else ...)
-        if state is ...:
-            self._cma[rank] = None
-            assert self._token is not None
-            body = (os.getpid(), self._token.addr, self._token.value)
-            try:
-                self.worker.tell(rank, CMA_PROBE_TARGET, Payload(pickle.dumps(body, protocol=5)))
-            except Exception:
-                self._cma[rank] = False
-            return False
-        return bool(state)
-
-    def _on_cma_probe(self, peer: Any, payload: Payload) -> None:
-        pid, addr, value = pickle.loads(payload.body)
-        ok = self.use_cma and _cma.probe(pid, addr, value)
-        if ok:
-            self._peer_pid[peer.rank] = pid
-        self.worker.tell(peer.rank, CMA_REPLY_TARGET, Payload(pickle.dumps(ok, protocol=5)))
-
-    def _on_cma_reply(self, peer: Any, payload: Payload) -> None:
-        self._cma[peer.rank] = bool(pickle.loads(payload.body))
+        """Whether ``rank`` reads our large data from our memory (see ``CmaPeers.ok``)."""
+        return self.use_cma and self._cma.ok(rank)
 
     def _remote(self, rank: int, ref: tuple[int, int]) -> _cma.RemoteRef:
-        pid = self._peer_pid.get(rank)
+        pid = self._cma.pid(rank)
         if pid is None:
             raise CollectiveError(f"rank {rank} sent a memory reference without a CMA probe")
         return _cma.RemoteRef(pid, ref[0], ref[1])

@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from .._errors import CollectiveError
+from ..runtime._cma import RemoteRef
 from ..wire import Payload, Tell
 from ._arena import Arena
-from ._cma import RemoteRef
 from ._types import Group, ReduceOp
 
 if TYPE_CHECKING:

@@ -11,8 +11,9 @@ from collective_helpers import expected, run_all, tune
 from torch.testing import assert_close
 
 import actorgrad.collective as C
-from actorgrad.collective import ReduceOp, _cma
+from actorgrad.collective import ReduceOp
 from actorgrad.collective._actor import actor
+from actorgrad.runtime import _cma
 from actorgrad.testing import InProcessGroup
 
 N = 4
