@@ -16,6 +16,7 @@ from ._engine import backward as backward
 from ._inspect import DistGraph as DistGraph
 from ._inspect import graph as graph
 from ._inspect import install as _install_inspect
+from ._loans import RETURN_TARGET as _LOANS_RETURNED
 from ._messages import DESCRIBE as _DESCRIBE
 from ._messages import PropagateGrads as _PropagateGrads
 from ._messages import ReleaseContext as _ReleaseContext
@@ -56,6 +57,8 @@ def _setup(worker: _Worker) -> None:
     worker.register(_ReleaseContext.TARGET, contexts.on_release, tell_only=True)
     worker.register(_DESCRIBE, contexts.on_describe)
     worker.add_lost_listener(contexts.on_worker_lost)
+    worker.register(_LOANS_RETURNED, engine.loans.on_returned, tell_only=True)
+    worker.add_lost_listener(engine.loans.on_worker_lost)
     worker.register(_Traverse.TARGET, engine.on_traverse)
     _install_inspect(worker)
 

@@ -71,6 +71,7 @@ from ._context import (
     engine_calls,
     root_tensors,
 )
+from ._loans import Loans
 from ._messages import (
     DESCRIBE,
     BackwardReport,
@@ -189,6 +190,7 @@ class EngineActor:
     def __init__(self, worker: Worker, contexts: ContextActor) -> None:
         self.worker = worker
         self.contexts = contexts
+        self.loans = Loans(worker)
 
     # -- planning -------------------------------------------------------------------
     def _graph_task(self, ctx: DistContext, backward_id: int, mode: str, retain: bool) -> GraphTask:
@@ -325,7 +327,7 @@ class EngineActor:
         """A PROPAGATE_GRADS call: the reply, a task making it, or None when the duty
         to answer went along with the one propagation this one caused."""
         owed = (peer.rank, self.worker.serving_request, self.worker.rank)
-        msg = PropagateGrads.load(payload)
+        msg = self._borrowed(peer.rank, PropagateGrads.load(payload))
         ctx = self.contexts.get(msg.context_id)
         with _ReleasedGuard(self, ctx):
             outcome = self._serve(msg, owed)
@@ -362,11 +364,13 @@ class EngineActor:
         """A PROPAGATE_GRADS tell that carries the duty to answer someone's call."""
         msg = PropagateGrads.load(payload)
         if msg.reply is None:
+            with contextlib.suppress(Exception):  # (returns what it lent us, if anything)
+                self._borrowed(peer.rank, msg)
             return
         caller, request_id, _ = msg.reply
         ctx = self.contexts.contexts.get(msg.context_id)
         try:
-            outcome = self._serve(msg, msg.reply)
+            outcome = self._serve(self._borrowed(peer.rank, msg), msg.reply)
         except Exception as exc:
             self._answer(caller, request_id, self._failed(ctx, exc))
             return
@@ -387,6 +391,13 @@ class EngineActor:
             self._answer(caller, request_id, result)
 
         self.worker.spawn(answer_when_done())
+
+    def _borrowed(self, src: int, msg: PropagateGrads) -> PropagateGrads:
+        """``msg`` with the gradients ``src`` lent us read into tensors of ours."""
+        grads = self.loans.borrow(src, msg.grads)
+        if grads is not msg.grads:
+            object.__setattr__(msg, "grads", grads)  # (frozen, but ours: just loaded)
+        return msg
 
     def _answer(self, caller: int, request_id: int, result: BackwardReport | BaseException) -> None:
         worker = self.worker
@@ -627,7 +638,7 @@ class EngineActor:
             relays = pack_relays(itertools.islice(task.relay_table.values(), told, None))
         return PropagateGrads(
             context_id=ctx.context_id, backward_id=task.backward_id, message_id=message_id,
-            grads=grads, mode=task.mode, retain_graph=task.retain_graph, reply=reply,
+            grads=self.loans.lend(to, grads), mode=task.mode, retain_graph=task.retain_graph, reply=reply,
             pairs=pack_ids(report.pairs) if report is not None else b"",
             fired=pack_ids(report.fired) if report is not None else b"",
             relays=relays,
