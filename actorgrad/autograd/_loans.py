@@ -88,7 +88,9 @@ class Loans:
             if (type(grad) is not torch.Tensor or grad.layout is not torch.strided
                     or grad.device.type != "cpu" or (code := _CODES.get(grad.dtype)) is None
                     or not LEND_MIN_BYTES <= grad.nbytes <= LEND_MAX_BYTES
-                    or grad.requires_grad or not grad.is_contiguous() or not _cma.cma_peers(self.worker).ok(to)):
+                    or grad.requires_grad or not grad.is_contiguous()
+                    # (a lazy conjugate or negation is a flag, not in the bytes)
+                    or grad.is_conj() or grad.is_neg() or not _cma.cma_peers(self.worker).ok(to)):
                 continue
             loan_id = next(self._ids)
             self.lent.setdefault(to, {})[loan_id] = grad

@@ -85,6 +85,8 @@ async def test_only_large_dense_gradients_are_lent(group2):
         torch.randn(2 * n)[::2],  # not contiguous
         torch.randn(n, requires_grad=True),
         torch.randn(n, dtype=torch.float64).to(torch.int64),  # not a gradient's dtype
+        torch.randn(n // 2, dtype=torch.complex64).conj(),  # lazy: its bytes are not its values
+        torch.randn(n // 2, dtype=torch.complex64)._neg_view(),
         torch.sparse_coo_tensor([[0]], [1.0], (n,), check_invariants=True),
         torch.randn(LEND_MAX_BYTES // 4 + 1),  # read a piece at a time through the socket
     )
@@ -159,3 +161,22 @@ async def test_a_gradient_that_cannot_be_read_fails_the_backward(group2, monkeyp
         y = await ag.rpc_async("worker1", square_then_scale, args=(x, w))
         with pytest.raises(RemoteError, match="cannot be read"):
             await asyncio.wait_for(ag.autograd.backward(cid, [(y * y).sum()]), 10)
+
+
+def times_one(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.0
+
+
+async def test_a_lazily_conjugated_gradient_arrives_conjugated(group2):
+    """``d/dy (y.conj() * a).real.sum()`` is a lazy conjugate view: its bytes are not its
+    values, so it must not be lent as they are."""
+    await _readable(group2.workers[0], 1)
+    a = torch.randn(SIDE, SIDE, dtype=torch.complex64)
+    x = torch.randn(SIDE, SIDE, dtype=torch.complex64, requires_grad=True)
+    async with ag.autograd.context() as cid:
+        y = await ag.rpc_async("worker1", times_one, args=(x,))
+        await ag.autograd.backward(cid, [(y.conj() * a).real.sum()])
+        grads = ag.autograd.get_gradients(cid)
+    (lx,) = local_copies(x)
+    (times_one(lx).conj() * a).real.sum().backward()
+    assert_grads(grads, [(x, lx.grad)])
