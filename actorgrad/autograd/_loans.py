@@ -42,8 +42,9 @@ LEND_MIN_BYTES = 64 << 10  # smaller ones cost less through the socket than a re
 LEND_MAX_BYTES = 16 << 20
 # Loans go back a moment after they were read, together: not while the pass that
 # brought them is still finishing on this worker (its caller waits for that), but
-# while the loop next waits for something (the next step's answers).
-RETURN_DELAY_S = 0.0005
+# while the loop next waits for something (the next step's answers). uvloop's timers
+# count whole milliseconds and round a shorter delay down to the next loop iteration.
+RETURN_DELAY_S = 0.001
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
