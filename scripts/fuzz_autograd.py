@@ -7,10 +7,13 @@ relays, stops, delegated answers, nested, concurrent and ``remote`` calls,
 ``retain_graph``, two roots; even seeds FAST mode, odd SMART; every seventh seed runs
 at once with a partner of the other mode). Checked after every program: the gradients
 match, nothing hung (``--limit`` seconds a program), and no worker holds a context, a
-running backward or an unreturned gradient loan. A hang or a broken group starts a new
-group. Prints progress and one summary line; exits 1 on any failure, naming the seed:
+running backward or an unreturned gradient loan. With ``--faults`` one call of every
+program fails, in its forward or in its backward: the error must reach the caller and
+nothing may be left behind. A hang or a broken group starts a new group. Prints
+progress and one summary line; exits 1 on any failure, naming the seed:
 
     python scripts/fuzz_autograd.py --seconds 600 --seed 0
+    python scripts/fuzz_autograd.py --seconds 600 --faults
     python scripts/fuzz_autograd.py --one 1234          # one program, its problems
 """
 
@@ -44,16 +47,28 @@ async def _group():  # type: ignore[no-untyped-def]
     return await local_group(3, env={"PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
 
 
-async def _outcome(seed: int, mode: str) -> tuple[str, list[str], dict[str, int]]:
-    """("checked" | "skipped", problems, generated shapes) of one program."""
+async def _outcome(seed: int, mode: str, faults: bool = False) -> tuple[str, list[str], dict[str, int]]:
+    """("checked" | "skipped" | "failed" | ..., problems, generated shapes) of one program."""
     program = rp.make_program(seed, mode)
+    if faults:
+        fault = "forward" if seed % 4 < 2 else "backward"
+        if not rp.with_fault(program, fault):
+            return "no call", [], program.shapes
+        try:
+            await rp.run_distributed(program)
+        except rp.NoGradient:
+            return "skipped", [], program.shapes
+        except (ag.RemoteError, rp.Injected) as error:
+            wrong = [] if f"injected in a {fault}" in str(error) else [f"{type(error).__name__}: {error}"]
+            return f"failed in {fault}", wrong, program.shapes
+        return f"{fault} fault unreached", [], program.shapes
     try:
         return "checked", await rp.check(program), program.shapes
     except rp.NoGradient:
         return "skipped", [], program.shapes
 
 
-async def fuzz(seconds: float, first: int, limit: float) -> int:
+async def fuzz(seconds: float, first: int, limit: float, faults: bool) -> int:
     counts: collections.Counter[str] = collections.Counter()
     shapes: collections.Counter[str] = collections.Counter()
     failures: list[str] = []
@@ -66,7 +81,8 @@ async def fuzz(seconds: float, first: int, limit: float) -> int:
             if seed % 7 == 0:
                 seeds.append((seed + PARTNER, "smart" if _mode(seed) == "fast" else "fast"))
             try:
-                outcomes = await asyncio.wait_for(asyncio.gather(*(_outcome(s, m) for s, m in seeds)), limit)
+                outcomes = await asyncio.wait_for(
+                    asyncio.gather(*(_outcome(s, m, faults) for s, m in seeds)), limit)
                 for (s, m), (kind, problems, made) in zip(seeds, outcomes, strict=True):
                     counts[f"{kind} {m}"] += 1
                     shapes.update(made)
@@ -110,9 +126,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--limit", type=float, default=30.0, help="seconds a program may take")
+    parser.add_argument("--faults", action="store_true", help="one call of every program fails")
     parser.add_argument("--one", type=int, default=None, help="run this seed alone")
     args = parser.parse_args()
-    sys.exit(ag.run(one(args.one) if args.one is not None else fuzz(args.seconds, args.seed, args.limit)))
+    sys.exit(ag.run(one(args.one) if args.one is not None else fuzz(args.seconds, args.seed, args.limit, args.faults)))
 
 
 if __name__ == "__main__":

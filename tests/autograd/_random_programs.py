@@ -37,7 +37,7 @@ import torch
 import actorgrad as ag
 
 WORKERS = ("worker0", "worker1", "worker2")
-UNARY = ("sin", "tanh", "sigmoid", "scale", "addc", "sq", "mul1", "t", "slice", "expand", "view", "clone")
+UNARY = ("sin", "tanh", "sigmoid", "scale", "addc", "sq", "mul1", "t", "slice", "expand", "view", "clone", "custom")
 BINARY = ("add", "mul", "sub", "tmul", "matmul", "pair")
 # (160, 128) and (128, 160) float32 are 80 KiB: above the loan threshold
 SHAPES = ((160, 128), (160, 128), (128, 128), (128,), (8, 8), (128, 160))
@@ -81,7 +81,7 @@ class _Generator:
     def __init__(self, rng: random.Random, mode: str, max_depth: int) -> None:
         self.rng, self.mode, self.max_depth = rng, mode, max_depth
         self.shapes: dict[str, int] = dict.fromkeys(
-            ("rpc", "nested", "relay", "stop", "unused", "remote", "parallel", "returned_args"), 0)
+            ("rpc", "nested", "relay", "stop", "unused", "remote", "parallel", "returned_args", "packed", "custom"), 0)
 
     def _pick(self, n: int) -> int:
         """An index of ``n`` values, the recent ones more often."""
@@ -104,6 +104,7 @@ class _Generator:
                 continue
             param = round(r.uniform(0.5, 1.3) * r.choice((1, -1)), 3) if name in ("scale", "addc") else None
             ops.append(("local", name, args, param))
+            self.shapes["custom"] += name == "custom"
             inherited = set().union(*(ancestry[i] for i in args))
             for out in outs:
                 metas.append(out)
@@ -191,7 +192,9 @@ class _Generator:
         spec = {
             "ops": ops, "outputs": outputs, "tuple": len(outputs) > 1 or r.random() < 0.15,
             "async": made_calls or r.random() < 0.5,
+            "packed": r.random() < 0.25,  # arguments in a keyword list, the result in a dict
         }
+        self.shapes["packed"] += depth > 0 and spec["packed"]
         return spec, [metas[i] for i in outputs]
 
 
@@ -230,6 +233,28 @@ def make_program(seed: int, mode: str) -> Program:
     return Program(seed, mode, spec, leaves, coefficients, used, retain_graph, two_roots, generator.shapes)
 
 
+class Injected(Exception):
+    """The failure of a program with a fault (see with_fault)."""
+
+
+def with_fault(program: Program, fault: str) -> bool:
+    """Make one call of ``program`` (picked by its seed) fail in its forward
+    (``"forward"``: the callee raises) or in its backward (``"backward"``: its first
+    output's gradient raises). False when the program makes no call."""
+    specs: list[dict[str, Any]] = []
+
+    def walk(spec: dict[str, Any]) -> None:
+        for op in spec["ops"]:
+            for call in op[1] if op[0] == "parallel" else [op] if op[0] in ("rpc", "remote") else []:
+                specs.append(call[2])
+                walk(call[2])
+
+    walk(program.spec)
+    if specs:
+        random.Random(program.seed).choice(specs)["fault"] = fault
+    return bool(specs)
+
+
 # -- running a spec (here, or on the worker a call names) ---------------------------
 def _term(value: torch.Tensor, c: float, d: float, reduce: Any = torch.sum) -> torch.Tensor:
     """A real scalar of ``value`` with a gradient everywhere."""
@@ -240,6 +265,28 @@ def _term(value: torch.Tensor, c: float, d: float, reduce: Any = torch.sum) -> t
     return term
 
 
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise Injected("injected in a backward")
+
+
+class _Double(torch.autograd.Function):
+    """2x with a backward in Python (such jobs run on the worker's thread pool)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
 def _local_op(name: str, ins: list[torch.Tensor], param: Any) -> list[torch.Tensor]:
     a = ins[0]
     b = ins[1] if len(ins) > 1 else a
@@ -248,6 +295,7 @@ def _local_op(name: str, ins: list[torch.Tensor], param: Any) -> list[torch.Tens
         "scale": lambda: [a * param], "addc": lambda: [a + param], "sq": lambda: [a * torch.tanh(a) * 0.5],
         "mul1": lambda: [a * 1], "t": lambda: [a.t()], "slice": lambda: [a[..., :64]],
         "expand": lambda: [a.expand(160, a.shape[0])], "view": lambda: [a.view_as(a)], "clone": lambda: [a.clone()],
+        "custom": lambda: [_Double.apply(a)],
         "add": lambda: [a + b], "mul": lambda: [a * b], "sub": lambda: [a - b], "tmul": lambda: [a * torch.tanh(b)],
         "pair": lambda: [a * b, a - 2 * b],
     }
@@ -291,6 +339,11 @@ async def _interpret(spec: dict[str, Any], args: tuple[torch.Tensor, ...] | list
     if not distributed:
         _note_intermediates(values[len(args):])
     outs = [values[i] for i in spec["outputs"]]
+    fault = spec.get("fault")
+    if fault == "forward":
+        raise Injected("injected in a forward")
+    if fault == "backward" and outs[0].requires_grad:
+        outs[0] = _FailInBackward.apply(outs[0])
     return tuple(outs) if spec["tuple"] else outs[0]
 
 
@@ -299,6 +352,12 @@ async def _call(op: Any, values: list[torch.Tensor], distributed: bool) -> list[
     ins = [values[i] for i in args]
     if not distributed:
         result = await _interpret(spec, ins, False)
+    elif spec["packed"]:
+        how = {"args": (spec,), "kwargs": {"values": ins}}
+        if kind == "rpc":
+            result = (await ag.rpc_async(to, run_spec_packed, **how))["result"]
+        else:
+            result = (await ag.remote(to, run_spec_packed, **how).to_here())["result"]
     else:
         fn = run_spec if spec["async"] else run_spec_sync
         if kind == "rpc":
@@ -313,6 +372,11 @@ async def _call(op: Any, values: list[torch.Tensor], distributed: bool) -> list[
 async def run_spec(spec: dict[str, Any], *args: torch.Tensor) -> Any:
     """The remote function of a call: its callee's spec."""
     return await _interpret(spec, args, True)
+
+
+async def run_spec_packed(spec: dict[str, Any], *, values: list[torch.Tensor]) -> dict[str, Any]:
+    """The same with the arguments in a keyword list and the result in a dict."""
+    return {"result": await _interpret(spec, values, True)}
 
 
 def run_spec_sync(spec: dict[str, Any], *args: torch.Tensor) -> Any:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 
 import torch
 from _random_programs import (
     WORKERS,
+    Injected,
     NoGradient,
     check,
     compare,
@@ -24,6 +26,7 @@ from _random_programs import (
     run_local,
     usable,
     wait_clean,
+    with_fault,
 )
 
 import actorgrad as ag
@@ -49,7 +52,8 @@ async def test_random_programs_match_local_autograd(group3):
         shapes.update(program.shapes)
     assert checked >= 250
     # the programs took the paths they are for
-    assert min(shapes[k] for k in ("relay", "stop", "nested", "remote", "parallel", "unused", "returned_args")) > 0
+    assert min(shapes[k] for k in (
+        "relay", "stop", "nested", "remote", "parallel", "unused", "returned_args", "packed", "custom")) > 0
     assert all([await ag.rpc_async(w, loans_made) for w in WORKERS])
 
 
@@ -89,3 +93,27 @@ async def test_the_comparison_sees_a_changed_input(group3):
         compared += 1
         caught += bool(compare(program, await run_distributed(program), want, largest))
     assert compared >= 8 and caught >= compared - 2
+
+
+async def test_random_programs_that_fail_leave_nothing_behind(group3):
+    """A call fails in its forward or in its backward, anywhere in the program: the
+    caller gets the error, every worker lets go of the context, and the next program
+    runs as if nothing happened."""
+    failed = 0
+    for seed in range(2000, 2080):
+        fault = "forward" if seed % 4 < 2 else "backward"
+        program = make_program(seed, _mode(seed))
+        if not with_fault(program, fault):
+            continue
+        try:
+            await asyncio.wait_for(run_distributed(program), 30)
+        except NoGradient:
+            continue
+        except (ag.RemoteError, Injected) as error:
+            assert "injected in a " + fault in str(error), error
+            failed += 1
+        assert await wait_clean() == CLEAN, f"left over after seed {seed} ({fault})"
+        program = make_program(seed, _mode(seed))
+        with contextlib.suppress(NoGradient):
+            assert await check(program) == [], f"seed {seed} after the failure"
+    assert failed >= 40
