@@ -266,6 +266,8 @@ def _term(value: torch.Tensor, c: float, d: float, reduce: Any = torch.sum) -> t
 
 
 class _FailInBackward(torch.autograd.Function):
+    """The identity, whose backward raises (a fault, see with_fault)."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x * 1
