@@ -11,5 +11,7 @@ if __name__ == "__main__":
     rank = int(os.environ["RANK"])
     if rank == 0:
         sys.exit(3)
-    (Path(sys.argv[1]) / "rank1.pid").write_text(str(os.getpid()))
+    tmp = Path(sys.argv[1]) / "rank1.tmp"  # then renamed: a reader sees the whole pid
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(tmp.with_suffix(".pid"))
     time.sleep(60)

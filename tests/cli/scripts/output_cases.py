@@ -28,6 +28,13 @@ def _wait_for(path: Path, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def _write_pid(path: Path) -> None:
+    """All at once: a reader that sees the file sees the whole pid."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(path)
+
+
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -43,13 +50,13 @@ def main() -> int:
         if rank == 0:
             for i in range(LINES):
                 print(f"line {i:05d} " + "x" * 20)
-            (where / "rank0.pid").write_text(str(os.getpid()))
+            _write_pid(where / "rank0.pid")
             time.sleep(60)
             return 0
         _wait_for(where / "rank0.pid")
         return 3
     if case == "race":
-        (where / f"rank{rank}.pid").write_text(str(os.getpid()))
+        _write_pid(where / f"rank{rank}.pid")
         other = where / f"rank{1 - rank}.pid"
         _wait_for(other)
         if rank == 1:
