@@ -38,30 +38,17 @@ from actorgrad.testing import local_group  # noqa: E402
 PARTNER = 10_000_000  # a concurrent program's seed: its partner's plus this
 
 
-def _mode(seed: int) -> str:
-    return "fast" if seed % 2 == 0 else "smart"
-
-
 async def _group():  # type: ignore[no-untyped-def]
     path = os.pathsep.join(p for p in (PROGRAMS, os.environ.get("PYTHONPATH", "")) if p)
     return await local_group(3, env={"PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
 
 
 async def _outcome(seed: int, mode: str, faults: bool = False) -> tuple[str, list[str], dict[str, int]]:
-    """("checked" | "skipped" | "failed" | ..., problems, generated shapes) of one program."""
+    """(what happened, problems, generated shapes) of one program."""
     program = rp.make_program(seed, mode)
     if faults:
-        fault = "forward" if seed % 4 < 2 else "backward"
-        if not rp.with_fault(program, fault):
-            return "no call", [], program.shapes
-        try:
-            await rp.run_distributed(program)
-        except rp.NoGradient:
-            return "skipped", [], program.shapes
-        except (ag.RemoteError, rp.Injected) as error:
-            wrong = [] if f"injected in a {fault}" in str(error) else [f"{type(error).__name__}: {error}"]
-            return f"failed in {fault}", wrong, program.shapes
-        return f"{fault} fault unreached", [], program.shapes
+        outcome, wrong = await rp.run_with_fault(program, rp.fault_of(seed))
+        return f"{outcome} ({rp.fault_of(seed)} fault)", wrong, program.shapes
     try:
         return "checked", await rp.check(program), program.shapes
     except rp.NoGradient:
@@ -77,9 +64,9 @@ async def fuzz(seconds: float, first: int, limit: float, faults: bool) -> int:
     seed = first
     try:
         while time.monotonic() < end:
-            seeds = [(seed, _mode(seed))]
+            seeds = [(seed, rp.mode_of(seed))]
             if seed % 7 == 0:
-                seeds.append((seed + PARTNER, "smart" if _mode(seed) == "fast" else "fast"))
+                seeds.append((seed + PARTNER, rp.mode_of(seed + 1)))
             try:
                 outcomes = await asyncio.wait_for(
                     asyncio.gather(*(_outcome(s, m, faults) for s, m in seeds)), limit)
@@ -113,8 +100,8 @@ async def fuzz(seconds: float, first: int, limit: float, faults: bool) -> int:
 async def one(seed: int) -> int:
     group = await _group()
     try:
-        kind, problems, made = await _outcome(seed, _mode(seed))
-        print(f"seed {seed} ({_mode(seed)}): {kind}, generated {made}, problems {problems}, "
+        kind, problems, made = await _outcome(seed, rp.mode_of(seed))
+        print(f"seed {seed} ({rp.mode_of(seed)}): {kind}, generated {made}, problems {problems}, "
               f"left over {await rp.wait_clean()}")
     finally:
         await group.shutdown()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from _ag_helpers import local_copies
 
 import actorgrad as ag
 
@@ -209,6 +210,16 @@ class Program:
     retain_graph: bool
     two_roots: bool
     shapes: dict[str, int] = field(default_factory=dict)  # what the generator made, counted
+
+
+def mode_of(seed: int) -> str:
+    """The mode a seed's program runs in: even seeds FAST, odd SMART."""
+    return "fast" if seed % 2 == 0 else "smart"
+
+
+def fault_of(seed: int) -> str:
+    """Where a seed's program fails, with faults: by pairs of seeds, so both modes see both."""
+    return "forward" if seed % 4 < 2 else "backward"
 
 
 def make_program(seed: int, mode: str) -> Program:
@@ -411,7 +422,7 @@ def _losses(program: Program, outs: Any) -> list[torch.Tensor]:
 async def run_local(program: Program) -> tuple[list[torch.Tensor | None], float]:
     """The leaves' gradients by torch's own autograd, and the largest gradient of any
     intermediate value. Raises NoGradient."""
-    leaves = [leaf.detach().clone().requires_grad_(leaf.requires_grad) for leaf in program.leaves]
+    leaves = local_copies(*program.leaves)
     noted: list[torch.Tensor] = []
     token = _intermediates.set(noted)
     try:
@@ -475,6 +486,21 @@ async def check(program: Program) -> list[str]:
     if not usable(want):
         raise NoGradient
     return compare(program, await run_distributed(program), want, largest)
+
+
+async def run_with_fault(program: Program, fault: str) -> tuple[str, list[str]]:
+    """Run ``program`` distributed with one call failing (see with_fault): what
+    happened ("no call", "skipped": no gradient, "failed", or "unreached": the failing
+    output took no part) and what is wrong (the caller got another error)."""
+    if not with_fault(program, fault):
+        return "no call", []
+    try:
+        await run_distributed(program)
+    except NoGradient:
+        return "skipped", []
+    except (ag.RemoteError, Injected) as error:
+        return "failed", [] if f"injected in a {fault}" in str(error) else [f"{type(error).__name__}: {error}"]
+    return "unreached", []
 
 
 # -- state left on the workers ----------------------------------------------------------
