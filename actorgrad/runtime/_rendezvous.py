@@ -22,6 +22,8 @@ import time
 import urllib.parse
 from typing import Any
 
+from . import _tcp
+
 _MAX_LINE = 1 << 16
 POLL_S = 0.5  # a wait is answered at least this often with the entries so far
 _MAX_BYTES = 16 << 20  # what the store keeps in all: a few short entries per worker
@@ -40,11 +42,11 @@ class StoreServer:
         self._data: dict[str, str] = {}
         self._bytes = 0  # received by set/claim so far (bounds what the store keeps)
         self._changed = asyncio.Event()
-        self._server: asyncio.Server | None = None
+        self._server: _tcp.Listening | None = None
         self._clients: set[asyncio.StreamWriter] = set()
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=_MAX_LINE)
+        self._server = await _tcp.listen(host, port, lambda sock: asyncio.start_server(self._serve, sock=sock, limit=_MAX_LINE))
 
     def filenos(self) -> list[int]:
         """The descriptors of its sockets (see Worker.forsake_in_child)."""
@@ -137,9 +139,8 @@ class TcpStore:
         delay = 0.01
         while True:
             try:
-                self._reader, self._writer = await asyncio.open_connection(
-                    self.host, self.port, limit=_MAX_LINE
-                )
+                self._reader, self._writer = await _tcp.dial(
+                    self.host, self.port, lambda host, port: asyncio.open_connection(host, port, limit=_MAX_LINE))
                 return
             except OSError as exc:
                 if time.monotonic() + delay > deadline:

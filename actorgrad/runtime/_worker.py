@@ -56,7 +56,7 @@ from ..wire import (
     tcp_endpoint,
     unix_endpoint,
 )
-from . import _current, _local
+from . import _current, _local, _tcp
 from ._calls import CallFuture, PendingCalls, check_timeout
 from ._options import RpcOptions, WorkerInfo
 from ._pool import ThreadPool, raised_in_pool
@@ -183,7 +183,7 @@ class Worker:
         # what a traced call's handler runs (a remote function's name), for its spans
         self.serving_label: str | None = None
         self._pending = PendingCalls(self.loop, self._call_cancelled, self._call_expired)
-        self._server: asyncio.Server | None = None
+        self._server: _tcp.Listening | None = None
         self._local_server: asyncio.Server | None = None
         self._tcp_endpoint = ""  # what peers dial to reach us (bound by the handshake)
         self._unix_endpoint = ""
@@ -272,13 +272,10 @@ class Worker:
                 "%s: no auth_key: any process on this host can join the group and run code "
                 "here; set ACTORGRAD_AUTH_KEY (actorgrad launch, local_group and in-process "
                 "groups make one)", self.name)
-        self._server = await self.loop.create_server(
-            lambda: self._accept(endpoint=self._tcp_endpoint),
-            opts.listen_host,
-            opts.listen_port,
-            ssl=opts.ssl_context,
-            reuse_address=True,
-            backlog=1024,
+        self._server = await _tcp.listen(
+            opts.listen_host, opts.listen_port,
+            lambda sock: self.loop.create_server(
+                lambda: self._accept(endpoint=self._tcp_endpoint), sock=sock, ssl=opts.ssl_context, backlog=1024),
         )
         listen_port = self._server.sockets[0].getsockname()[1]
         local = None
@@ -459,20 +456,25 @@ class Worker:
 
         Gives up once another rank's wait failed (the group cannot form: no use dialing
         on) or once ``rank`` keeps refusing connections at the address it published."""
-        proto = None
+        proto: PeerProtocol | None = None
         if self._local_server is not None and isinstance(local, list) and len(local) == 2:
             unix = unix_endpoint(str(local[0]))
             proto = await _local.connect(self.loop, lambda: self._accept(True, unix), *local)
         delay = 0.01
         refused_since = None
         tcp = tcp_endpoint(address[0], address[1])
+        client_tls = self.options.ssl_client_context
+
+        async def dial_one(host: str, port: int) -> PeerProtocol:
+            _, dialed = await self.loop.create_connection(
+                lambda: self._accept(True, tcp), host, port, ssl=client_tls,
+                server_hostname=address[0] if client_tls else None,
+            )
+            return dialed
+
         while proto is None:
             try:
-                client_tls = self.options.ssl_client_context
-                _, proto = await self.loop.create_connection(
-                    lambda: self._accept(True, tcp), address[0], address[1], ssl=client_tls,
-                    server_hostname=address[0] if client_tls else None,
-                )
+                proto = await _tcp.dial(address[0], address[1], dial_one)
                 break
             except (ConnectionRefusedError, ConnectionResetError) as exc:
                 if (failed := self._failed_wait()) is not None:
