@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-_Address = tuple[int, str, int]  # (family, numeric host, port)
+_Address = tuple[int, tuple[Any, ...]]  # (family, socket address: host, port[, flow, scope])
 
 
 async def resolve(host: str | None, port: int, passive: bool = False) -> list[_Address]:
@@ -40,7 +40,7 @@ async def resolve(host: str | None, port: int, passive: bool = False) -> list[_A
     found: dict[_Address, None] = {}
     for family, _, _, _, sockaddr in infos:
         if family in (socket.AF_INET, socket.AF_INET6):
-            found[(family, str(sockaddr[0]), int(sockaddr[1]))] = None
+            found[(family, tuple(sockaddr))] = None  # (a link-local one keeps its scope)
     return list(found)
 
 
@@ -56,17 +56,17 @@ async def listen(
     """
     servers: list[asyncio.Server] = []
     try:
-        for family, address, bound_port in await resolve(host, port, passive=True):
+        for family, sockaddr in await resolve(host, port, passive=True):
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:  # as asyncio: the IPv4 address is bound apart
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 try:
-                    sock.bind((address, bound_port))
+                    sock.bind(sockaddr)
                 except OSError as exc:
                     raise OSError(exc.errno, f"error while attempting to bind on address "
-                                             f"{(address, bound_port)!r}: {exc.strerror}") from None
+                                             f"{sockaddr[:2]!r}: {exc.strerror}") from None
                 sock.setblocking(False)
                 servers.append(await serve(sock))
             except BaseException:
@@ -88,9 +88,12 @@ async def dial(host: str, port: int, connect: Callable[[str, int], Awaitable[T]]
             of the first when they differ in kind (the others named in its text).
     """
     errors: list[OSError] = []
-    for _, address, numeric_port in await resolve(host, port):
+    for _, sockaddr in await resolve(host, port):
+        address = sockaddr[0]
+        if len(sockaddr) == 4 and sockaddr[3]:  # a link-local IPv6 address: its interface
+            address = f"{address}%{sockaddr[3]}"  # (which uvloop looks up, on its pool)
         try:
-            return await connect(address, numeric_port)
+            return await connect(address, sockaddr[1])
         except OSError as exc:
             errors.append(exc)
     if not errors:

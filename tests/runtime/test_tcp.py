@@ -44,17 +44,17 @@ async def _echo(host: str, port: int, line: bytes) -> bytes:
 
 
 async def test_numeric_addresses_and_the_wildcard_resolve_without_a_lookup() -> None:
-    assert await _tcp.resolve("127.0.0.1", 80) == [(socket.AF_INET, "127.0.0.1", 80)]
+    assert await _tcp.resolve("127.0.0.1", 80) == [(socket.AF_INET, ("127.0.0.1", 80))]
     wildcard = await _tcp.resolve("", 0, passive=True)
-    assert (socket.AF_INET, "0.0.0.0", 0) in wildcard
-    assert await _tcp.resolve("0.0.0.0", 5, passive=True) == [(socket.AF_INET, "0.0.0.0", 5)]
+    assert (socket.AF_INET, ("0.0.0.0", 0)) in wildcard
+    assert await _tcp.resolve("0.0.0.0", 5, passive=True) == [(socket.AF_INET, ("0.0.0.0", 5))]
 
 
 async def test_a_name_is_looked_up_and_every_address_is_served() -> None:
     expected = {sockaddr[0] for family, _, _, _, sockaddr in socket.getaddrinfo(
         "localhost", 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         if family in (socket.AF_INET, socket.AF_INET6)}
-    found = {address for _, address, _ in await _tcp.resolve("localhost", 0, passive=True)}
+    found = {sockaddr[0] for _, sockaddr in await _tcp.resolve("localhost", 0, passive=True)}
     assert found == expected  # (whatever this host's resolver says localhost is)
     listening = await _echo_server("127.0.0.1")
     try:
@@ -72,13 +72,41 @@ async def test_both_loopbacks_of_a_name_are_bound() -> None:
     port.bind(("127.0.0.1", 0))
     number = port.getsockname()[1]
     port.close()
-    hosts = {address for _, address, _ in await _tcp.resolve("localhost", number, passive=True)}
+    hosts = {sockaddr[0] for _, sockaddr in await _tcp.resolve("localhost", number, passive=True)}
     listening = await _echo_server("localhost", number)
     try:
         bound = {sock.getsockname()[0] for sock in listening.sockets}
         assert bound == hosts
         for host in hosts:
             assert await _echo(host, number, b"x\n") == b"x\n"
+    finally:
+        listening.close()
+        await listening.wait_closed()
+
+
+def _link_local_address() -> str | None:
+    """An IPv6 link-local address of this host with its interface ("fe80::...%eth0")."""
+    try:
+        with open("/proc/net/if_inet6") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    for row in rows:
+        if len(row) == 6 and row[0].startswith("fe80"):
+            groups = ":".join(row[0][i:i + 4] for i in range(0, 32, 4))
+            return f"{socket.inet_ntop(socket.AF_INET6, socket.inet_pton(socket.AF_INET6, groups))}%{row[5]}"
+    return None
+
+
+@pytest.mark.skipif(_link_local_address() is None, reason="no IPv6 link-local address here")
+async def test_a_link_local_address_keeps_its_interface() -> None:
+    host = _link_local_address()
+    assert host is not None
+    listening = await _echo_server(host)
+    try:
+        sockaddr = listening.sockets[0].getsockname()
+        assert sockaddr[3] == socket.if_nametoindex(host.split("%")[1])  # bound on that interface
+        assert await _echo(host, sockaddr[1], b"link\n") == b"link\n"
     finally:
         listening.close()
         await listening.wait_closed()
