@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Where one iteration of the K-hop chain spends its time, on both workers.
+"""Where one iteration of the K-hop chain (or the seed example) spends its time, on
+both workers.
 
 Instruments a few points of each worker (socket writes, message dispatch, planning,
-torch's engine) with timestamps of the machine's monotonic clock, which both
-processes share, runs the chain of ``bench_autograd.py`` (context; K round trips
-``x*2+1`` on 256x256 float32 to worker1; sum; distributed backward; get_gradients),
-and prints the iteration as one timeline: for every event its median offset from the
+torch's engine; with ``--detail`` also pickling and the engine actor's steps between
+them) with timestamps of the machine's monotonic clock, which both processes share,
+runs the chain of ``bench_autograd.py`` (context; K round trips ``x*2+1`` on 256x256
+float32 to worker1; sum; distributed backward; get_gradients) or, with ``--seed``, its
+seed example (context; ``torch.add`` of two 3x3 tensors on worker1; mul; sum;
+distributed backward; get_gradients), and prints the iteration as one timeline: for every event its median offset from the
 start and the p10 / p50 / p90 of the gap since the event before. Iterations whose
 events differ in order (a garbage collection, a heartbeat) are left out; how many is
 printed. Then the writes by size, with how many took over 300 µs.
@@ -15,6 +18,7 @@ Wrapping costs ~1 µs per event, so the whole iteration reads ~10% slower than i
 
     python scripts/timeline_chain.py                # K = 1, 600 iterations
     python scripts/timeline_chain.py --k 4 --iters 300
+    python scripts/timeline_chain.py --seed --detail
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def _nbytes(pieces) -> int:
     return sum(memoryview(p).nbytes for p in pieces)
 
 
-def install() -> None:
+def install(detail: bool = False) -> None:
     """Instrument this process (the remote functions below do it on worker1)."""
     import actorgrad.autograd._engine as engine
     from actorgrad.runtime._transport import PeerProtocol
@@ -79,10 +83,17 @@ def install() -> None:
     _wrap(Worker, "on_message", "handle", lambda self, peer, msg: f"{type(msg).__name__}({getattr(msg, 'target', '')})")
     _wrap(engine, "make_plan", "plan")
     _wrap(engine, "_run_backward", "torch engine")
+    if detail:
+        from actorgrad.wire import Payload
+
+        for step in ("_serve", "plan_now", "_job", "_deliver", "_conclude", "_own_relays", "_message"):
+            _wrap(engine.EngineActor, step, step)
+        _wrap(Payload, "dump", "Payload.dump")
+        _wrap(Payload, "load", "Payload.load")
 
 
-async def remote_install() -> None:
-    install()
+async def remote_install(detail: bool) -> None:
+    install(detail)
 
 
 async def remote_take() -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
@@ -128,6 +139,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=1, help="round trips per iteration")
     parser.add_argument("--iters", type=int, default=600)
+    parser.add_argument("--seed", action="store_true", help="the seed example instead of the chain")
+    parser.add_argument("--detail", action="store_true", help="also pickling and the engine's steps")
     args = parser.parse_args()
 
     import torch
@@ -149,21 +162,29 @@ def main() -> None:
             async def iteration() -> None:
                 mod._mark("iteration >")
                 async with ag.autograd.context() as cid:
-                    x = torch.rand((256, 256), requires_grad=True)
-                    y = x
-                    mod._mark("forward >")
-                    for _ in range(args.k):
-                        y = await ag.rpc_async("worker1", mod._mul2add1, args=(y,))
+                    if args.seed:
+                        t1 = torch.rand((3, 3), requires_grad=True)
+                        t2 = torch.rand((3, 3), requires_grad=True)
+                        mod._mark("forward >")
+                        t3 = await ag.rpc_async("worker1", torch.add, args=(t1, t2))
+                        loss = torch.mul(t3, torch.rand((3, 3), requires_grad=True)).sum()
+                    else:
+                        x = torch.rand((256, 256), requires_grad=True)
+                        y = x
+                        mod._mark("forward >")
+                        for _ in range(args.k):
+                            y = await ag.rpc_async("worker1", mod._mul2add1, args=(y,))
+                        loss = y.sum()
                     mod._mark("backward >")
-                    await ag.autograd.backward(cid, [y.sum()])
+                    await ag.autograd.backward(cid, [loss])
                     mod._mark("backward <")
-                    ag.autograd.get_gradients(cid)[x]
+                    ag.autograd.get_gradients(cid)
                 mod._mark("iteration <")
 
             for _ in range(100):  # warm-up, and worker1 learns to run _mul2add1 inline
                 await iteration()
-            await ag.rpc_async("worker1", mod.remote_install)
-            mod.install()
+            await ag.rpc_async("worker1", mod.remote_install, args=(args.detail,))
+            mod.install(args.detail)
             mod.EVENTS.clear()
             for _ in range(args.iters):
                 await iteration()
