@@ -55,8 +55,11 @@ async def listen(
         OSError: an address cannot be bound (naming it), or the name is unknown.
     """
     servers: list[asyncio.Server] = []
+    addresses = await resolve(host, port, passive=True)
+    if not addresses:
+        raise OSError(f"{host!r} has no IPv4 or IPv6 address to listen on")
     try:
-        for family, sockaddr in await resolve(host, port, passive=True):
+        for family, sockaddr in addresses:
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -84,11 +87,15 @@ async def dial(host: str, port: int, connect: Callable[[str, int], Awaitable[T]]
     order, until one succeeds (as ``loop.create_connection`` tries them).
 
     Raises:
-        OSError: no address could be reached: the error of the only one tried, or
-            of the first when they differ in kind (the others named in its text).
+        OSError: no address could be reached: the first address's error when all
+            failed alike (a refusal stays a ConnectionRefusedError), else one naming
+            each; or ``host`` has no address.
     """
     errors: list[OSError] = []
-    for _, sockaddr in await resolve(host, port):
+    addresses = await resolve(host, port)
+    if not addresses:
+        raise OSError(f"{host!r} has no IPv4 or IPv6 address")
+    for _, sockaddr in addresses:
         address = sockaddr[0]
         if len(sockaddr) == 4 and sockaddr[3]:  # a link-local IPv6 address: its interface
             address = f"{address}%{sockaddr[3]}"  # (which uvloop looks up, on its pool)
@@ -96,8 +103,6 @@ async def dial(host: str, port: int, connect: Callable[[str, int], Awaitable[T]]
             return await connect(address, sockaddr[1])
         except OSError as exc:
             errors.append(exc)
-    if not errors:
-        raise OSError(f"{host!r} has no IPv4 or IPv6 address")
     if len(errors) == 1 or all(type(e) is type(errors[0]) for e in errors):
         raise errors[0]
     raise OSError(f"could not connect to {host}:{port}: " + "; ".join(str(e) for e in errors)) from errors[0]

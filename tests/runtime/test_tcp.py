@@ -43,14 +43,14 @@ async def _echo(host: str, port: int, line: bytes) -> bytes:
     return answer
 
 
-async def test_numeric_addresses_and_the_wildcard_resolve_without_a_lookup() -> None:
+async def test_numeric_addresses_and_the_wildcard_resolve_as_given() -> None:
     assert await _tcp.resolve("127.0.0.1", 80) == [(socket.AF_INET, ("127.0.0.1", 80))]
     wildcard = await _tcp.resolve("", 0, passive=True)
     assert (socket.AF_INET, ("0.0.0.0", 0)) in wildcard
     assert await _tcp.resolve("0.0.0.0", 5, passive=True) == [(socket.AF_INET, ("0.0.0.0", 5))]
 
 
-async def test_a_name_is_looked_up_and_every_address_is_served() -> None:
+async def test_a_name_is_looked_up_and_its_addresses_tried_in_turn() -> None:
     expected = {sockaddr[0] for family, _, _, _, sockaddr in socket.getaddrinfo(
         "localhost", 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         if family in (socket.AF_INET, socket.AF_INET6)}
