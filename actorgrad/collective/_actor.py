@@ -441,13 +441,14 @@ class CollectiveActor:
             flat = flat.detach()
         o = TinyAllReduce(self, group, seq, sig, flat, op)  # (its start sends nothing)
         o.after = after
-        error = None
+        failed = None
         # (else run() refuses it: nothing of an operation that may not start leaves, or
         # a member that has not heard why yet could complete it with our data)
         if self._refusal(o) is None:
-            error = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
-        if error is not None:
-            o.fail(CollectiveError(f"{o.what()}: cannot send: {error}"), error)
+            failed = send_tiny(self.worker, group.ranks, group.id, seq, sig_bytes(sig), flat, extra)
+        if failed is not None:
+            dst, exc = failed
+            o.fail(_ops.send_error(o.what(), dst, exc))
             return o
         fut = self.run(o)
         if self.spin_s > 0 and not fut.done() and group.size() <= _CPUS:
@@ -525,9 +526,7 @@ class CollectiveActor:
         try:
             self.worker.tell(dst, P2P_TARGET, payload)
         except Exception as exc:
-            err = CollectiveError(f"send to rank {dst} failed: {exc}")
-            err.__cause__ = exc
-            future.set_exception(err)
+            future.set_exception(_ops.send_error(f"send (tag {tag})", dst, exc))
             return future
         if not ack_id:
             future.set_result(None)

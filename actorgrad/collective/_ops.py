@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .._errors import CollectiveError
+from .._errors import CollectiveError, CollectiveRankLost, WorkerLost
 from ..runtime._cma import RemoteRef
 from ..wire import Payload, Tell
 from ._arena import Arena
@@ -169,6 +169,19 @@ def finish_avg(t: torch.Tensor, op: ReduceOp, n: int) -> None:
         t.div_(n)
 
 
+def send_error(what: str, dst: int, exc: Exception) -> CollectiveError:
+    """What ``what`` fails with when a message to global rank ``dst`` cannot go out: a
+    lost rank when its connection is gone (or closing: the peer's goodbye may come
+    before the worker learns that it is lost), as the loss itself would say."""
+    if isinstance(exc, WorkerLost):
+        error: CollectiveError = CollectiveRankLost(
+            f"{what}: rank {dst} ({exc.worker}) was lost: {exc.reason}", exc.worker, exc.reason)
+    else:
+        error = CollectiveError(f"{what}: cannot send to rank {dst}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 class Op:
     """One collective operation on this rank (base class: validation, acks, ending)."""
 
@@ -260,12 +273,12 @@ class Op:
             self.acks_needed.add(dst)
         peer = self.worker.peers.get(dst)
         try:
-            if peer is not None and peer.is_open:
+            if peer is not None and peer.can_send:
                 peer.send(Tell(target=MSG_TARGET, payload=payload))
             else:
                 self.worker.tell(dst, MSG_TARGET, payload)  # raises WorkerLost
         except Exception as exc:
-            self.fail(CollectiveError(f"{self.what()}: cannot send to rank {dst}: {exc}"), exc)
+            self.fail(send_error(self.what(), dst, exc))
 
     def send_headers(self, ranks: Any) -> None:
         for r in ranks:
@@ -468,10 +481,11 @@ class DirectReduce(Op):
 
 
 def send_tiny(worker: Any, members: tuple[int, ...], gid: int, seq: int, sig: bytes,
-              flat: torch.Tensor, extra: Any = 0) -> Exception | None:
+              flat: torch.Tensor, extra: Any = 0) -> tuple[int, Exception] | None:
     """Send a tiny all-reduce contribution to every other member at once (the first
     thing an all-reduce does, so the peers can start on it while we set up).
-    ``extra`` rides along in the header (the shared-memory arena's negotiation)."""
+    ``extra`` rides along in the header (the shared-memory arena's negotiation).
+    Returns the first member it could not send to, and why."""
     header = (gid, seq, K_DATA, extra, 0, sig, False, flat.numpy().tobytes())
     tell = Tell(target=MSG_TARGET, payload=Payload(pickle.dumps(header, protocol=5)))
     peers = worker.peers
@@ -481,12 +495,12 @@ def send_tiny(worker: Any, members: tuple[int, ...], gid: int, seq: int, sig: by
             continue
         peer = peers.get(r)
         try:
-            if peer is not None and peer.is_open:
+            if peer is not None and peer.can_send:
                 peer.send(tell)
             else:
                 worker.tell(r, MSG_TARGET, tell.payload)  # raises WorkerLost
         except Exception as exc:
-            return exc
+            return r, exc
     return None
 
 

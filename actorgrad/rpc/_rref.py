@@ -566,7 +566,7 @@ def _creation_error(worker: Worker, peer: Any, rref_id: RRefId, exc: BaseExcepti
         return exc  # the function's own error (a CancelledError it raised included)
     if worker.closed:
         return WorkerLost(worker.name, f"shut down before RRef {rref_id} was created")
-    if not peer.is_open:
+    if not peer.can_send:
         return WorkerLost(
             peer.name or "?", f"left before RRef {rref_id} it asked {worker.name} for was created"
         )

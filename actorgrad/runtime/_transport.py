@@ -180,6 +180,12 @@ class PeerProtocol(asyncio.BufferedProtocol):
     def is_open(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
+    @property
+    def can_send(self) -> bool:
+        """Whether messages may still go out: open, and the peer has not said goodbye
+        (nor broken the protocol), after which its connection only waits to close."""
+        return self.conn.state is State.ESTABLISHED and self.is_open
+
     def send(self, msg: Message) -> None:
         self._write(self.conn.send(msg))
 
@@ -324,6 +330,8 @@ class LoopbackPeer:
     @property
     def is_open(self) -> bool:
         return not self.worker.closed
+
+    can_send = is_open
 
     def send(self, msg: Message) -> None:
         from ..wire._connection import _encode

@@ -630,7 +630,7 @@ class Worker:
         """
         peer = self.peer(to)
         if isinstance(result, BaseException):
-            peer.send(Failure(request_id=request_id, payload=error_payload(result)))
+            self._fail_call(peer, request_id, result)
         else:
             self._reply(peer, request_id, result)
 
@@ -650,12 +650,20 @@ class Worker:
         """Send the result of a call; one the connection refuses (larger than
         max_frame_size) fails the call instead, and the connection stays up."""
         response: Message = Result(request_id=request_id, payload=payload)
+        if not peer.can_send:
+            return response  # it said goodbye: nobody there waits for the answer
         try:
             peer.send(response)
         except ProtocolError as exc:
             response = Failure(request_id=request_id, payload=error_payload(exc))
             peer.send(response)
         return response
+
+    @staticmethod
+    def _fail_call(peer: PeerProtocol, request_id: int, exc: BaseException) -> None:
+        """Answer the call ``request_id`` with its error (see :meth:`_reply`)."""
+        if peer.can_send:
+            peer.send(Failure(request_id=request_id, payload=error_payload(exc)))
 
     def settle_own_call(self, request_id: int, value: Any) -> bool:
         """Resolve this worker's own outstanding call ``request_id`` with ``value``
@@ -767,7 +775,7 @@ class Worker:
             self.serving_request = msg.request_id
             reply = handler(peer, msg.payload)
         except BaseException as exc:  # no task here: a CancelledError is the function's own
-            peer.send(Failure(request_id=msg.request_id, payload=error_payload(exc)))
+            self._fail_call(peer, msg.request_id, exc)
             if isinstance(exc, KeyboardInterrupt):
                 raise  # answered, and a Ctrl-C still stops this program (see _finish_call)
             return
@@ -815,7 +823,7 @@ class Worker:
         peer.serving.pop(request_id, None)
         if isinstance(response, Result):
             response = self._reply(peer, request_id, response.payload)
-        else:
+        elif peer.can_send:  # (see _reply)
             peer.send(response)
         if interrupted is not None:
             raise interrupted
@@ -878,6 +886,9 @@ class Worker:
         proto = self.peers.get(info.id)
         if proto is None or not proto.is_open:
             raise WorkerLost(info.name, "no open connection (the worker is gone)")
+        if not proto.can_send:  # its goodbye came, its connection closes next
+            raise WorkerLost(info.name, proto.left_on_error or (
+                "it shut down" if proto.leaving else "its connection broke"))
         return proto
 
     def call(

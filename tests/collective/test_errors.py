@@ -23,6 +23,8 @@ import actorgrad.collective as C
 from actorgrad import CollectiveError
 from actorgrad.collective import ReduceOp
 from actorgrad.testing import InProcessGroup
+from actorgrad.wire import Goodbye
+from actorgrad.wire._connection import _encode
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -471,6 +473,31 @@ async def _join_all_reduce(numel: int, delay: float) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "ok"
+
+
+def _goodbye_arrives(peer: Any, reason: str) -> None:
+    """``peer``'s Goodbye comes in, as read from its connection (which stays open)."""
+    frame = b"".join(_encode(Goodbye(reason=reason)))
+    peer.get_buffer(len(frame))[:len(frame)] = frame
+    peer.buffer_updated(len(frame))
+
+
+@pytest.mark.parametrize("what", ["tiny all_reduce", "all_reduce", "broadcast", "send"])
+async def test_a_rank_whose_goodbye_came_is_lost_to_every_send(make_group: object, what: str) -> None:
+    """Between a rank's Goodbye and its connection closing, an operation that cannot
+    send to it fails as the loss itself does: CollectiveRankLost (a WorkerLost) naming
+    the rank and why it left, whichever path the message takes."""
+    group: InProcessGroup = await make_group(3)  # type: ignore[operator]
+    peer = group.workers[0].peers[1]
+    _goodbye_arrives(peer, "it stopped on an error: RuntimeError: boom")
+    calls = {
+        "tiny all_reduce": lambda: C.all_reduce(torch.ones(2)),
+        "all_reduce": lambda: C.all_reduce(torch.ones(100_000)),
+        "broadcast": lambda: C.broadcast(torch.ones(100_000), src=0),
+        "send": lambda: C.send(torch.ones(2), dst=1),
+    }
+    with pytest.raises(ag.CollectiveRankLost, match=r"rank 1 \(worker1\) was lost: it stopped on an error"):
+        await asyncio.wait_for(calls[what](), 10)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import inspect
 import json
 import operator
@@ -25,7 +26,7 @@ import torch
 import actorgrad as ag
 from actorgrad.runtime import get_worker
 from actorgrad.testing import InProcessGroup, free_port
-from actorgrad.wire import Call, Connection, Established, Kind, Payload, tcp_endpoint
+from actorgrad.wire import Call, Connection, Established, Goodbye, Kind, Payload, tcp_endpoint
 from actorgrad.wire._connection import _encode
 from actorgrad.wire._frames import HEADER, MAGIC, PROTOCOL_VERSION
 
@@ -1467,6 +1468,63 @@ async def test_calls_to_a_worker_known_lost_fail_where_they_are_awaited(make_pro
     with pytest.raises(ag.WorkerLost):
         await rref.to_here()
     assert await ag.rpc_async("worker1", operator.add, args=(2, 2)) == 4
+
+
+def _goodbye_arrives(peer: Any, reason: str) -> None:
+    """``peer``'s Goodbye comes in, as read from its connection (which stays open)."""
+    frame = b"".join(_encode(Goodbye(reason=reason)))
+    peer.get_buffer(len(frame))[:len(frame)] = frame
+    peer.buffer_updated(len(frame))
+
+
+async def test_calls_to_a_worker_whose_goodbye_came_fail_as_lost(make_group):
+    """Between a peer's Goodbye and its connection closing, a call to it fails with
+    WorkerLost naming why it left (not a protocol error about the connection's state),
+    and remote()'s RRef says so on first use."""
+    group = await make_group(2)
+    peer = group.workers[0].peers[1]
+    _goodbye_arrives(peer, "it stopped on an error: RuntimeError: boom")
+    assert peer.is_open and not peer.can_send
+    with pytest.raises(ag.WorkerLost, match="it stopped on an error: RuntimeError: boom"):
+        await ag.rpc_async("worker1", operator.add, args=(1, 1))
+    with pytest.raises(ag.WorkerLost, match="worker1"):
+        await ag.remote("worker1", operator.add, args=(1, 1)).to_here()
+
+
+async def _sleep_then_return(seconds: float, value: object) -> object:
+    await asyncio.sleep(seconds)
+    return value
+
+
+@pytest.mark.parametrize("outcome", ["result", "error"])
+async def test_a_call_served_for_a_peer_whose_goodbye_came_ends_quietly(make_group, outcome):
+    """The answer to a peer that said goodbye while its call ran is dropped (nobody
+    waits for it), not raised as a protocol error in the serving task."""
+    group = await make_group(2)
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        value = ValueError("x") if outcome == "error" else 5
+        func = _raise_after if outcome == "error" else _sleep_then_return
+        call = group.run_as(1, ag.rpc_async, "worker0", func, (0.3, value))
+        await asyncio.sleep(0.1)
+        serving = group.workers[0].peers[1].serving
+        assert len(serving) == 1
+        (task,) = serving.values()
+        _goodbye_arrives(group.workers[0].peers[1], "it shut down")
+        await asyncio.wait_for(task, 5)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert errors == []
+        call.cancel()
+    finally:
+        loop.set_exception_handler(None)
+
+
+async def _raise_after(seconds: float, exc: BaseException) -> None:
+    await asyncio.sleep(seconds)
+    raise exc
 
 
 @pytest.mark.slow
