@@ -753,11 +753,15 @@ class DirectBroadcast(Op):
         self.root = root
         self.got = 0
 
+    def part_for(self, index: int) -> torch.Tensor:
+        """What the root sends to the member at ``index`` of the group."""
+        return self.t
+
     def start(self) -> None:
         if self.rank == self.root:
-            for r in self.members:
+            for i, r in enumerate(self.members):
                 if r != self.rank:
-                    self.send(r, K_DATA, sig=True, data=self.t, protect="clone")
+                    self.send(r, K_DATA, sig=True, data=self.part_for(i), protect="clone")
         else:
             self.send_headers(self.members)
 
@@ -808,30 +812,17 @@ class ChainBroadcast(Op):
 # ---------------------------------------------------------------------------------------
 # scatter / gather / all_gather / barrier
 # ---------------------------------------------------------------------------------------
-class Scatter(Op):
+class Scatter(DirectBroadcast):
+    """A direct broadcast that sends each member its own part (``parts``, on the root)."""
+
     def __init__(self, actor: CollectiveActor, group: Group, seq: int, sig: Sig,
                  t: torch.Tensor, parts: list[torch.Tensor] | None, root: int) -> None:
-        super().__init__(actor, group, seq, sig)
-        self.t = t
+        super().__init__(actor, group, seq, sig, t, root)
         self.parts = parts
-        self.root = root
-        self.got = 0
 
-    def start(self) -> None:
-        if self.rank == self.root:
-            assert self.parts is not None
-            for i, r in enumerate(self.members):
-                if r != self.rank:
-                    self.send(r, K_DATA, sig=True, data=self.parts[i], protect="clone")
-        else:
-            self.send_headers(self.members)
-
-    def on_data(self, src: int, kind: int, a: int, b: int, data: Data) -> None:
-        self.copy_into(self.t, data)
-        self.got += 1
-
-    def data_complete(self) -> bool:
-        return self.rank == self.root or self.got == 1
+    def part_for(self, index: int) -> torch.Tensor:
+        assert self.parts is not None
+        return self.parts[index]
 
     def complete(self) -> None:
         if self.rank == self.root:
