@@ -121,14 +121,16 @@ def describe_error(exc: BaseException) -> tuple[str, str, str]:
 _PASSED_ON = (WorkerLost, RpcTimeout, RemoteError)
 
 
-def error_payload(exc: BaseException) -> Payload:
+def error_payload(exc: BaseException, main_by_name: bool = False) -> Payload:
     """Describe ``exc`` for the caller: type, message, traceback, and the exception.
 
     The exception itself travels as separate bytes: if it cannot be pickled here, or
     rebuilt there, the caller still gets its type name, message and traceback.
+    ``main_by_name``: the caller runs the same program (see ``Payload.dump``), so an
+    exception class of its ``__main__`` is its own (``except AppError`` catches it).
     """
     try:
-        pickled: bytes | None = cloudpickle.dumps(exc)
+        pickled: bytes | None = _pickled_error(exc, main_by_name)
     except Exception:
         pickled = None
         if isinstance(exc, RemoteError) and exc.__cause__ is not None:
@@ -143,6 +145,14 @@ def error_payload(exc: BaseException) -> Payload:
         # chain would repeat all it got (the text doubled at each hop)
         tb = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
     return Payload.dump((name, message, tb, pickled))
+
+
+def _pickled_error(exc: BaseException, main_by_name: bool) -> bytes:
+    if main_by_name:
+        payload = Payload.dump(exc, main_by_name=True)
+        if not payload.tensors:  # (a tensor in it would need the payload's own buffers)
+            return bytes(payload.body)
+    return cloudpickle.dumps(exc)
 
 
 def _runs_in(task: asyncio.Task[Any] | None) -> bool:
@@ -219,7 +229,8 @@ class Worker:
     # -- identity -------------------------------------------------------------------
     def same_program(self, rank: int) -> bool:
         """Whether worker ``rank`` runs this process's ``__main__`` (the same script, or
-        this very process): its functions then travel by name (see wire._main_functions)."""
+        this very process): its functions and classes then travel by name (see
+        wire._main_objects)."""
         return rank == self.rank or self._programs.get(rank) == self.program
 
     @property
@@ -655,15 +666,19 @@ class Worker:
         try:
             peer.send(response)
         except ProtocolError as exc:
-            response = Failure(request_id=request_id, payload=error_payload(exc))
+            response = self._failure(peer, request_id, exc)
             peer.send(response)
         return response
 
-    @staticmethod
-    def _fail_call(peer: PeerProtocol, request_id: int, exc: BaseException) -> None:
+    def _failure(self, peer: PeerProtocol, request_id: int, exc: BaseException) -> Failure:
+        """The answer to ``peer``'s call ``request_id`` that raised ``exc``."""
+        same_program = peer.rank is not None and self.same_program(peer.rank)
+        return Failure(request_id=request_id, payload=error_payload(exc, same_program))
+
+    def _fail_call(self, peer: PeerProtocol, request_id: int, exc: BaseException) -> None:
         """Answer the call ``request_id`` with its error (see :meth:`_reply`)."""
         if peer.can_send:
-            peer.send(Failure(request_id=request_id, payload=error_payload(exc)))
+            peer.send(self._failure(peer, request_id, exc))
 
     def settle_own_call(self, request_id: int, value: Any) -> bool:
         """Resolve this worker's own outstanding call ``request_id`` with ``value``
@@ -811,13 +826,13 @@ class Worker:
                 if peer.serving.pop(request_id, None) is not None and not self.closed:
                     raise  # cancelled by us (shutdown): nothing to answer
                 return  # cancelled by the caller: it no longer waits
-            response = Failure(request_id=request_id, payload=error_payload(exc))
+            response = self._failure(peer, request_id, exc)
         except GeneratorExit as exc:
             if not _runs_in(task):
                 raise  # thrown in by close() (the loop is gone): nobody to answer
-            response = Failure(request_id=request_id, payload=error_payload(exc))
+            response = self._failure(peer, request_id, exc)
         except BaseException as exc:  # SystemExit too (see the note above describe_error)
-            response = Failure(request_id=request_id, payload=error_payload(exc))
+            response = self._failure(peer, request_id, exc)
             if isinstance(exc, KeyboardInterrupt) and not raised_in_pool(exc):
                 interrupted = exc  # maybe a Ctrl-C on the loop: raised on once answered
         peer.serving.pop(request_id, None)

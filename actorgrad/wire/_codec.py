@@ -3,7 +3,7 @@
 # Theory of operation
 A payload is pickled with protocol 5 by cloudpickle, so lambdas, closures and anything
 defined in ``__main__`` travel by value (except the functions of ``__main__`` sent to a
-worker that runs the same program: by name, see ``_main_functions``). Two hot spots of
+worker that runs the same program: by name, see ``_main_objects``; so do its classes). Two hot spots of
 cloudpickle are shortcut without changing its output: the "is this function/class
 importable by reference on the other side?" test is remembered per object (and
 forgotten whenever a module is registered for pickling by value), and its reducer table
@@ -61,7 +61,7 @@ import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from .._errors import ProtocolError
-from ._main_functions import fingerprint, is_main_function, main_function
+from ._main_objects import class_fingerprint, fingerprint, is_main_object, main_class, main_function
 
 INBAND_MAX_BYTES = 8 << 10  # tensors up to this size travel inside the pickle body
 
@@ -219,9 +219,8 @@ class _Pickler(cloudpickle.Pickler):
                 return NotImplemented
             return (_tensor, (descriptor,))
         if cls is _FunctionType or cls is type:
-            if self.main_by_name and cls is _FunctionType and obj.__module__ == "__main__" \
-                    and is_main_function(obj):
-                return (main_function, (obj.__qualname__, fingerprint(obj.__code__)))
+            if self.main_by_name and obj.__module__ == "__main__" and is_main_object(obj):
+                return self._by_name(obj)
             if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
                 return NotImplemented
             reduced = super().reducer_override(obj)
@@ -231,11 +230,20 @@ class _Pickler(cloudpickle.Pickler):
                     _by_value_seen[0] = len(_BY_VALUE_MODULES)
                 _BY_REFERENCE[obj] = None
             return reduced
-        if issubclass(cls, type):
+        if issubclass(cls, type):  # a class with a metaclass (an ABC, an Enum)
+            if self.main_by_name and obj.__module__ == "__main__" and is_main_object(obj):
+                return self._by_name(obj)
             return super().reducer_override(obj)
         if self.recording and issubclass(cls, _Tensor) and obj.requires_grad:
             _refuse_untracked(f"a tensor of the subclass {cls.__qualname__}")
         return NotImplemented  # what cloudpickle does for everything else
+
+    @staticmethod
+    def _by_name(obj: Any) -> tuple[Any, tuple[str, Any]]:
+        """A top-level function or class of ``__main__``, to be found by name."""
+        if type(obj) is _FunctionType:
+            return (main_function, (obj.__qualname__, fingerprint(obj.__code__)))
+        return (main_class, (obj.__qualname__, class_fingerprint(obj)))
 
     def reset(self) -> None:
         """Ready for the next ``dump`` (same file, empty memo)."""
@@ -420,7 +428,7 @@ class Payload:
         """Pickle ``obj``; tensors become descriptors (plus zero-copy byte views).
 
         ``main_by_name``: the receiver runs the same program as this process: functions
-        of ``__main__`` go by name, to be found there (see ``_main_functions``).
+        and classes of ``__main__`` go by name, to be found there (see ``_main_objects``).
         ``recording``: a distributed autograd context records the payload's tensors: a
         tensor requiring grad that it cannot record (sparse, a subclass) is refused."""
         try:

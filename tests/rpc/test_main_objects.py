@@ -1,5 +1,5 @@
-"""Functions of a program's ``__main__``: the callee's own where it runs the same
-program (as torch finds them by name), a copy by value where it does not."""
+"""Functions and classes of a program's ``__main__``: the callee's own where it runs the
+same program (as torch finds them by name), a copy by value where it does not."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from actorgrad.wire import Payload
-from actorgrad.wire._main_functions import fingerprint
+from actorgrad.wire._main_objects import class_fingerprint, fingerprint
 
 ROOT = Path(__file__).parents[2]
 
@@ -38,7 +38,7 @@ def _run(tmp_path: Path, source: str, *launch: str) -> str:
 # The parameter-server idiom of torch's RPC tutorials: module state on the callee (a
 # dict it fills, a counter, a server created once under a global lock).
 STATEFUL = """
-import functools, os, threading
+import dataclasses, enum, functools, os, threading
 import torch
 import actorgrad as ag
 
@@ -75,8 +75,7 @@ def call_server():
         server.calls += 1
         return server.calls
 
-# these go by value, as before: a class (its methods with it, for super()), a lambda,
-# and a wrapper that took another function's name
+# classes go by name too: their objects are instances of the receiver's own class
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -85,6 +84,34 @@ class Net(torch.nn.Module):
     def forward(self, x):
         return self.lin(x)
 
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+@dataclasses.dataclass
+class Pair:
+    a: int
+    b: int
+
+class Color(enum.Enum):
+    RED = 1
+
+class AppError(Exception):
+    pass
+
+def make_point(x):
+    return Point(x)
+
+def kinds(p, pair, color):
+    return type(p) is Point, type(pair) is Pair, color is Color.RED
+
+def raise_app():
+    raise AppError("bad")
+
+def net_is_net(net):
+    return type(net.local_value()) is Net
+
+# these go by value, as before: a lambda and a wrapper that took another function's name
 double = lambda x: x * 2
 
 def base(x):
@@ -99,6 +126,17 @@ async def main():
     if rank == 0:
         net = ag.remote("worker1", Net)
         print("NET", tuple((await net.rpc_async().forward(torch.ones(3, 2))).shape))
+        print("NET IS NET", await ag.rpc_async("worker1", net_is_net, args=(net,)))
+        point = await ag.rpc_async("worker1", make_point, args=(7,))
+        print("POINT", type(point) is Point, point.x)
+        print("KINDS", await ag.rpc_async("worker1", kinds, args=(Point(1), Pair(1, 2), Color.RED)))
+        try:
+            await ag.rpc_async("worker1", raise_app)
+        except ag.RemoteError as exc:
+            try:
+                raise exc.__cause__
+            except AppError as cause:
+                print("CAUGHT", cause)
         print("LAMBDA", await ag.rpc_async("worker1", double, args=(3,)))
         print("WRAPPED", await ag.rpc_async("worker1", wrapped, args=(1,)))
         await ag.rpc_async("worker1", put, args=("a", 1))
@@ -122,6 +160,8 @@ def test_launched_ranks_use_their_own_module_state_as_in_torch(tmp_path):
     assert "SERVER [1, 2, 3]" in out  # refers to a global lock: could not be sent by value
     assert "HERE {} 0 None" in out  # and the caller's module was left alone
     assert "NET (3, 1)" in out and "LAMBDA 6" in out and "WRAPPED 102" in out
+    assert "NET IS NET True" in out and "POINT True 7" in out  # the receiver's own classes
+    assert "KINDS (True, True, True)" in out and "CAUGHT bad" in out
 
 
 ELSEWHERE = """
@@ -171,6 +211,9 @@ if rank == 0:
     def only_here():
         return 1
 
+    class OnlyHere:
+        pass
+
 async def main():
     await ag.init_rpc(f"worker{rank}")
     if rank == 0:
@@ -178,6 +221,10 @@ async def main():
             await ag.rpc_async("worker1", only_here)
         except ag.RemoteError as exc:
             print("REFUSED", exc.remote_type, exc.remote_message)
+        try:
+            await ag.rpc_async("worker1", repr, args=(OnlyHere(),))
+        except ag.RemoteError as exc:
+            print("REFUSED CLASS", exc.remote_type, exc.remote_message)
     await ag.shutdown()
 
 ag.run(main())
@@ -186,8 +233,11 @@ ag.run(main())
 
 @pytest.mark.slow
 def test_a_function_the_same_program_lacks_elsewhere_is_named(tmp_path):
-    refused = _run(tmp_path, DIFFERS, "--nproc", "2").split("REFUSED", 1)[1]
+    out = _run(tmp_path, DIFFERS, "--nproc", "2")
+    refused, refused_class = out.split("REFUSED", 1)[1].split("REFUSED CLASS", 1)
     assert "LookupError" in refused and "__main__.only_here" in refused and "no function" in refused
+    assert "LookupError" in refused_class and "__main__.OnlyHere" in refused_class
+    assert "no class" in refused_class
 
 
 def test_the_fingerprint_tells_code_apart_and_is_the_same_in_another_process():
@@ -203,7 +253,7 @@ def test_the_fingerprint_tells_code_apart_and_is_the_same_in_another_process():
             return x in {"a", "b", "c"} and (lambda y: y + 1)(2)
     """)
     probe = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-             "from actorgrad.wire._main_functions import fingerprint\n"
+             "from actorgrad.wire._main_objects import fingerprint\n"
              f"exec({source!r})\nprint(fingerprint(f.__code__))")
     prints = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                              env={**_env(), "PYTHONHASHSEED": seed}, check=True).stdout
@@ -211,6 +261,53 @@ def test_the_fingerprint_tells_code_apart_and_is_the_same_in_another_process():
     assert len(prints) == 1  # string hashing differs between them; the fingerprint does not
 
 
+class _Shape:
+    sides = 3
+
+    def area(self) -> float:
+        return 1.0
+
+    @property
+    def name(self) -> str:
+        return "shape"
+
+
+class _OtherShape:
+    sides = 3
+
+    def area(self) -> float:
+        return 2.0  # only a constant differs
+
+    @property
+    def name(self) -> str:
+        return "shape"
+
+
+def test_the_class_fingerprint_follows_its_code_not_its_state():
+    assert class_fingerprint(_Shape)[2] != class_fingerprint(_OtherShape)[2]
+    source = textwrap.dedent("""
+        class C:
+            kinds = {"a", "b", "c"}
+            def f(self, x):
+                return x in {"a", "b"}
+            @staticmethod
+            def g():
+                return lambda y: y + 1
+    """)
+    probe = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+             "from actorgrad.wire._main_objects import class_fingerprint\n"
+             f"exec({source!r})\nprint(class_fingerprint(C))\nC.__slotnames__ = []; C.extra = 1\n"
+             "from actorgrad.wire import _main_objects; _main_objects._class_prints.clear()\n"
+             "print(class_fingerprint(C))")
+    prints = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                             env={**_env(), "PYTHONHASHSEED": seed}, check=True).stdout
+              for seed in ("1", "2")}
+    assert len(prints) == 1
+    (both,) = prints
+    first, second = both.splitlines()
+    assert first == second  # attributes set after the class statement leave it alone
+
+
 def test_functions_of_other_modules_are_not_affected():
     body = bytes(Payload.dump(textwrap.dedent).body)  # by reference, as before
-    assert b"textwrap" in body and b"_main_functions" not in body
+    assert b"textwrap" in body and b"_main_objects" not in body
