@@ -164,7 +164,7 @@ class BackwardReport(TupleMessage):
     def merge(self, other: BackwardReport) -> BackwardReport:
         return BackwardReport(pairs=self.pairs | other.pairs, fired=self.fired | other.fired)
 
-    def dump(self) -> Payload:
+    def dump(self, main_by_name: bool = False) -> Payload:  # (ids only: nothing goes by name)
         return Payload.dump((pack_ids(self.pairs), pack_ids(self.fired)))
 
     @classmethod

@@ -19,6 +19,7 @@ import torch
 from .._errors import CollectiveError
 from ..runtime import get_worker
 from ..runtime._calls import check_timeout
+from ..wire import dumps
 from ._actor import CollectiveActor, actor
 from ._types import Group, ReduceOp, Work
 
@@ -456,10 +457,11 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Group | Non
 # helpers
 # ---------------------------------------------------------------------------------------
 def _pickled(act: CollectiveActor, g: Group, what: str, obj: Any) -> bytes:
-    """``obj`` pickled for an object collective; when it cannot be, the other members'
+    """``obj`` pickled for an object collective (objects of the script's classes by
+    name where every member runs the script); when it cannot be, the other members'
     part fails at once, naming the reason, as for a refused argument."""
     try:
-        return cloudpickle.dumps(obj)
+        return dumps(obj, main_by_name=all(act.worker.same_program(r) for r in g.ranks))
     except Exception as exc:
         _refuse(act, g, what, TypeError(f"{what}: cannot pickle the objects: {exc}"))
         raise

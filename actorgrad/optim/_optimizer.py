@@ -222,7 +222,8 @@ class DistributedOptimizer:
             message = CreateOptimizer(optimizer_id=self._id, optimizer_class=optimizer_class,
                                       params=tuple(rrefs), args=args, kwargs=kwargs)
             with pickling_for(owner):  # the RRefs go to their owner
-                payload = message.dump()
+                # (an optimizer class of the script is the owner's own where it runs it)
+                payload = message.dump(main_by_name=worker.same_program(owner))
             created.append(worker.call(owner, CreateOptimizer.TARGET, payload))
         # every owner's optimizer, awaited by the steps until it succeeded
         self._creation: asyncio.Future[list[Payload]] | None = asyncio.gather(*created)

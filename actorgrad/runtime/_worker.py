@@ -53,6 +53,7 @@ from ..wire import (
     Payload,
     Result,
     Tell,
+    dumps,
     tcp_endpoint,
     unix_endpoint,
 )
@@ -130,7 +131,7 @@ def error_payload(exc: BaseException, main_by_name: bool = False) -> Payload:
     exception class of its ``__main__`` is its own (``except AppError`` catches it).
     """
     try:
-        pickled: bytes | None = _pickled_error(exc, main_by_name)
+        pickled: bytes | None = dumps(exc, main_by_name)
     except Exception:
         pickled = None
         if isinstance(exc, RemoteError) and exc.__cause__ is not None:
@@ -145,14 +146,6 @@ def error_payload(exc: BaseException, main_by_name: bool = False) -> Payload:
         # chain would repeat all it got (the text doubled at each hop)
         tb = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
     return Payload.dump((name, message, tb, pickled))
-
-
-def _pickled_error(exc: BaseException, main_by_name: bool) -> bytes:
-    if main_by_name:
-        payload = Payload.dump(exc, main_by_name=True)
-        if not payload.tensors:  # (a tensor in it would need the payload's own buffers)
-            return bytes(payload.body)
-    return cloudpickle.dumps(exc)
 
 
 def _runs_in(task: asyncio.Task[Any] | None) -> bool:

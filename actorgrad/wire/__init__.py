@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._codec import Payload as Payload
+from ._codec import dumps as dumps
 from ._connection import Connection as Connection
 from ._connection import Established as Established
 from ._connection import State as State

@@ -179,6 +179,7 @@ class _Pickler(cloudpickle.Pickler):
         self.buffers: list[memoryview] = []
         self.main_by_name = False  # see Payload.dump
         self.recording = False  # see Payload.dump
+        self.describes_tensors = True  # False: torch pickles them itself (see dumps)
 
     def _describe(self, obj: torch.Tensor) -> bytes | None:
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
@@ -211,7 +212,7 @@ class _Pickler(cloudpickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
-        if cls is _Tensor or cls is _Parameter:
+        if (cls is _Tensor or cls is _Parameter) and self.describes_tensors:
             descriptor = self._describe(obj)
             if descriptor is None:
                 if self.recording and obj.requires_grad:
@@ -253,6 +254,19 @@ class _Pickler(cloudpickle.Pickler):
         self.globals_ref: dict[int, Any] = {}
         self.tensors = []
         self.buffers = []
+
+
+def dumps(obj: Any, main_by_name: bool = False) -> bytes:
+    """``obj`` as bytes that plain ``pickle.loads`` rebuilds anywhere: as a payload
+    pickles it (cloudpickle; with ``main_by_name``, the functions and classes of
+    ``__main__`` by name, see ``Payload.dump``), but its tensors pickled by torch itself,
+    inside the bytes. For what travels inside another payload as bytes (an exception,
+    whose loss must not lose the rest) or outside of one (an object collective)."""
+    pickler = _Pickler()
+    pickler.main_by_name = main_by_name
+    pickler.describes_tensors = False
+    pickler.dump(obj)
+    return pickler.file.getvalue()
 
 
 # Set while a call is made for a thread that runs inside a forward-mode torch.func

@@ -14,12 +14,14 @@ So each worker tells the others which program it runs (the runtime's
 ``program_identity``: the contents of its ``__main__`` file, or the process for one
 without a file, such as a notebook). To a worker that runs the same program a top-level
 ``__main__`` function or class travels as its qualified name and a fingerprint of its
-code, and the receiver uses its own (as torch does); to any other it travels by value
+code, and the receiver uses its own (as torch does; also a method or a nested class,
+found by its qualified name); to any other it travels by value
 (as cloudpickle sends it, what a worker process running another program needs).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 import zlib
@@ -55,13 +57,29 @@ def _code_bytes(code: types.CodeType) -> bytes:
 
 
 def is_main_object(obj: Any) -> bool:
-    """A function or class defined at the top level of this process's ``__main__`` and
-    found there by its name (what torch pickles by reference). Not a method or a nested
-    class (they travel with their class, by value or by name), a lambda or a wrapper
-    that took another function's name, nor a copy that came by value from a worker that
-    runs another program (its ``__module__`` says ``__main__`` too)."""
-    name = obj.__qualname__
-    return "." not in name and getattr(sys.modules.get("__main__"), name, None) is obj
+    """A function or class of this process's ``__main__`` found there by its qualified
+    name (what torch pickles by reference): defined at its top level or in a class of it
+    (a method, a static method, a nested class). Not a function defined inside another
+    (``f.<locals>.g``), a lambda or a wrapper that took another function's name, nor a
+    copy that came by value from a worker that runs another program (its ``__module__``
+    says ``__main__`` too)."""
+    return _named(obj.__qualname__) is obj
+
+
+def _named(qualname: str) -> Any:
+    """What ``qualname`` names in this process's ``__main__``, or None. Inside a class,
+    the attribute its statement defined (a static or class method's function)."""
+    found: Any = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        if isinstance(found, type):
+            found = vars(found).get(part)
+            if isinstance(found, (staticmethod, classmethod)):
+                found = found.__func__
+        else:
+            found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found
 
 
 _class_prints: dict[type, Fingerprint] = {}
@@ -70,14 +88,21 @@ _class_prints: dict[type, Fingerprint] = {}
 def class_fingerprint(cls: type) -> Fingerprint:
     """Name, first line of its first method (0 without one) and a checksum of its
     bases' names and its methods' names and code: equal for the same class statement run
-    by the same Python, in any process. (Not its other attributes: the class statement
-    is not all that sets them, pickling its objects adds ``__slotnames__`` for one.)"""
+    by the same Python, in any process. Only what its statement defined counts, as it
+    was defined: more is set on classes as a program runs (pickling their objects adds
+    ``__slotnames__``; torch's optimizers wrap a subclass's ``step``, its own or the one
+    it inherits, in a function of torch's, and ``functools.wraps`` leads back from it).
+    """
     known = _class_prints.get(cls)
     if known is None:
         parts = [repr([f"{b.__module__}.{b.__qualname__}" for b in cls.__bases__]).encode()]
         first_line = 0
+        prefix = cls.__qualname__ + "."
         for name, value in sorted(vars(cls).items()):
             for func in _functions_of(value):
+                func = inspect.unwrap(func)
+                if not func.__qualname__.startswith(prefix) or type(func) is not types.FunctionType:
+                    continue
                 parts.append(name.encode())
                 parts.append(_code_bytes(func.__code__))
                 line = func.__code__.co_firstlineno
@@ -100,8 +125,8 @@ def _functions_of(value: Any) -> list[types.FunctionType]:
 
 def main_function(name: str, print_: Fingerprint) -> Any:
     """What a ``__main__`` function sent by name is rebuilt by: this process's own
-    top-level function of that name, which must have the same code."""
-    found = getattr(sys.modules.get("__main__"), name, None)
+    function of that qualified name, which must have the same code."""
+    found = _named(name)
     if type(found) is types.FunctionType and fingerprint(found.__code__) == print_:
         return found
     problem = "has no function of that name" if type(found) is not types.FunctionType else \
@@ -113,9 +138,9 @@ def main_function(name: str, print_: Fingerprint) -> Any:
 
 
 def main_class(name: str, print_: Fingerprint) -> type:
-    """What a ``__main__`` class sent by name is rebuilt by: this process's own
-    top-level class of that name, which must have the same code."""
-    found = getattr(sys.modules.get("__main__"), name, None)
+    """What a ``__main__`` class sent by name is rebuilt by: this process's own class
+    of that qualified name, which must have the same code."""
+    found = _named(name)
     if isinstance(found, type) and class_fingerprint(found) == print_:
         return found
     problem = "has no class of that name" if not isinstance(found, type) else \

@@ -21,9 +21,10 @@ class TupleMessage:
 
     __slots__ = ()
 
-    def dump(self) -> Payload:
+    def dump(self, main_by_name: bool = False) -> Payload:
+        """The message's payload (``main_by_name``: see ``Payload.dump``)."""
         names: tuple[str, ...] = type(self).__slots__  # the dataclass's fields, in order
-        return Payload.dump(tuple(getattr(self, name) for name in names))
+        return Payload.dump(tuple(getattr(self, name) for name in names), main_by_name=main_by_name)
 
     @classmethod
     def load(cls: type[M], payload: Payload) -> M:

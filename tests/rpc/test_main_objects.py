@@ -41,6 +41,7 @@ STATEFUL = """
 import dataclasses, enum, functools, os, threading
 import torch
 import actorgrad as ag
+import actorgrad.collective as C
 
 rank = int(os.environ["RANK"])
 STATE = {}
@@ -111,6 +112,50 @@ def raise_app():
 def net_is_net(net):
     return type(net.local_value()) is Net
 
+class Outer:
+    class Inner:
+        pass
+
+def is_inner(x):
+    return type(x) is Outer.Inner
+
+class Tally:
+    def __init__(self):
+        self.n = 0
+
+    def add(self, k):
+        with lock:  # a module-level lock: the method cannot go by value
+            self.n += k
+            return self.n
+
+def call_method(method, rref, *args):  # torch's tutorial idiom
+    return method(rref.local_value(), *args)
+
+class TensorError(Exception):
+    def __init__(self, t):
+        super().__init__(t)
+        self.t = t
+
+def raise_tensor_error():
+    raise TensorError(torch.ones(2))
+
+class CountedSGD(torch.optim.SGD):
+    made = 0
+
+    def __init__(self, params, lr):
+        with lock:
+            type(self).made += 1
+        super().__init__(params, lr=lr)
+
+    def step(self, closure=None):  # torch wraps it where one is made (worker0 checks its arguments)
+        return super().step(closure)
+
+def made():
+    return CountedSGD.made
+
+def make_param():
+    return torch.nn.Parameter(torch.ones(2))
+
 # these go by value, as before: a lambda and a wrapper that took another function's name
 double = lambda x: x * 2
 
@@ -137,6 +182,17 @@ async def main():
                 raise exc.__cause__
             except AppError as cause:
                 print("CAUGHT", cause)
+        print("NESTED", await ag.rpc_async("worker1", is_inner, args=(Outer.Inner(),)))
+        tally = ag.remote("worker1", Tally)
+        print("METHOD", [await ag.rpc_async("worker1", call_method, args=(Tally.add, tally, 2)) for _ in range(2)])
+        try:
+            await ag.rpc_async("worker1", raise_tensor_error)
+        except ag.RemoteError as exc:
+            print("TENSOR ERROR", type(exc.__cause__) is TensorError, exc.__cause__.t.tolist())
+        opt = ag.optim.DistributedOptimizer(CountedSGD, [ag.remote("worker1", make_param)], lr=0.1)
+        async with ag.autograd.context() as context_id:
+            await opt.step(context_id)
+        print("OPTIMIZERS MADE THERE", await ag.rpc_async("worker1", made))
         print("LAMBDA", await ag.rpc_async("worker1", double, args=(3,)))
         print("WRAPPED", await ag.rpc_async("worker1", wrapped, args=(1,)))
         await ag.rpc_async("worker1", put, args=("a", 1))
@@ -145,6 +201,11 @@ async def main():
         print("WHO", await ag.rpc_async("worker1", who))
         print("SERVER", [await ag.rpc_async("worker1", call_server) for _ in range(3)])
         print("HERE", STATE, COUNTER, server)
+    objects = [Pair(rank, 0) if rank == 1 else None]
+    await C.broadcast_object_list(objects, src=1)
+    gathered = [None, None]
+    await C.all_gather_object(gathered, Point(rank))
+    print("OBJECTS", type(objects[0]) is Pair, [type(g) is Point for g in gathered])
     await ag.shutdown()
 
 ag.run(main())
@@ -162,6 +223,10 @@ def test_launched_ranks_use_their_own_module_state_as_in_torch(tmp_path):
     assert "NET (3, 1)" in out and "LAMBDA 6" in out and "WRAPPED 102" in out
     assert "NET IS NET True" in out and "POINT True 7" in out  # the receiver's own classes
     assert "KINDS (True, True, True)" in out and "CAUGHT bad" in out
+    assert "NESTED True" in out and "METHOD [2, 4]" in out  # nested class, method alone
+    assert "TENSOR ERROR True [1.0, 1.0]" in out  # an exception holding a tensor
+    assert "OPTIMIZERS MADE THERE 1" in out  # the owner's own optimizer class
+    assert out.count("OBJECTS True [True, True]") == 2  # object collectives, on both ranks
 
 
 ELSEWHERE = """
@@ -296,7 +361,8 @@ def test_the_class_fingerprint_follows_its_code_not_its_state():
     """)
     probe = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
              "from actorgrad.wire._main_objects import class_fingerprint\n"
-             f"exec({source!r})\nprint(class_fingerprint(C))\nC.__slotnames__ = []; C.extra = 1\n"
+             f"exec({source!r})\nprint(class_fingerprint(C))\nC.__slotnames__ = []; C.extra = 1; C.h = lambda self: 0\n"
+             "import functools; f = C.f; C.f = functools.wraps(f)(lambda *a: f(*a))\n"
              "from actorgrad.wire import _main_objects; _main_objects._class_prints.clear()\n"
              "print(class_fingerprint(C))")
     prints = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
