@@ -885,11 +885,17 @@ async def _all_or_first_error(futures: list[asyncio.Future[Any]]) -> list[Any]:
         for fut in futures:
             fut.cancel()
         raise
-    for fut in done:
-        if not fut.cancelled() and fut.exception() is not None:
-            for other in pending:
-                other.cancel()
-            raise fut.exception()  # type: ignore[misc]
+    first: BaseException | None = None
+    for fut in futures:
+        if fut in done and not fut.cancelled():
+            # every failure is read (asyncio logs those never read), the first raised
+            error = fut.exception()
+            if first is None:
+                first = error
+    if first is not None:
+        for other in pending:
+            other.cancel()
+        raise first
     return [f.result() for f in futures]
 
 

@@ -4,6 +4,7 @@ and a loop that must keep serving while a big backward runs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from _ag_helpers import assert_grads, debug_infos, local_copies, slow_backward_fn, wait_released
 
 import actorgrad as ag
+from actorgrad.autograd._engine import _all_or_first_error
 from actorgrad.runtime import get_worker
 
 
@@ -59,6 +61,28 @@ async def test_remote_error_two_hops_away(group3):
             await asyncio.wait_for(ag.autograd.backward(context_id, [y.sum()]), 10)
     assert "backward exploded on purpose 4711" in str(info.value)
     await wait_released(["worker0", "worker1", "worker2"])
+
+
+async def test_every_failure_of_propagations_that_failed_together_is_read():
+    """Where several propagations a job waits for failed by the time it looks, the
+    first (in order) is raised and every other is read too: asyncio logs a failure
+    never read ("exception was never retrieved", a remote traceback each)."""
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    try:
+        futures = [loop.create_future() for _ in range(3)]
+        futures[0].set_result(None)
+        futures[1].set_exception(ValueError("first"))
+        futures[2].set_exception(ValueError("second"))
+        with pytest.raises(ValueError, match="first"):
+            await _all_or_first_error(futures)
+        del futures
+        gc.collect()
+        await asyncio.sleep(0)
+        assert logged == []
+    finally:
+        loop.set_exception_handler(None)
 
 
 # -- a worker dies in the middle of the backward ------------------------------------------------
