@@ -32,6 +32,7 @@ from .._errors import RendezvousTimeout
 from .._ports import pick_rendezvous_port
 from ..runtime import RpcOptions, Worker, _current
 from . import _forkserver
+from ._module_files import find_module_files, modules_off_the_path
 
 #: a worker process of local_group: forked by the fork server, or started anew
 WorkerProcess = subprocess.Popen[bytes] | _forkserver.ForkedProcess
@@ -232,8 +233,12 @@ async def local_group(
     child_env["PYTHONUNBUFFERED"] = "1"
     # what the workers need to run this process's functions as it would: its import
     # path (a test module, a sys.path.insert in a notebook; as multiprocessing passes
-    # sys.path on) and the options of the group
+    # sys.path on), the modules it loaded from files that the path does not lead to,
+    # and the options of the group
     child_env[CHILD_SYS_PATH_ENV] = json.dumps([p or os.getcwd() for p in sys.path])
+    off_the_path = modules_off_the_path()
+    if off_the_path:
+        child_env[CHILD_MODULES_ENV] = json.dumps(off_the_path)
     if options is not None:
         child_env[CHILD_OPTIONS_ENV] = _encode_options(options)
     logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
@@ -357,6 +362,7 @@ def _end_unfinished_groups() -> None:
 
 
 CHILD_SYS_PATH_ENV = "ACTORGRAD_LOCAL_GROUP_SYS_PATH"
+CHILD_MODULES_ENV = "ACTORGRAD_LOCAL_GROUP_MODULES"
 CHILD_OPTIONS_ENV = "ACTORGRAD_LOCAL_GROUP_OPTIONS"
 
 
@@ -371,11 +377,12 @@ def _encode_options(options: RpcOptions) -> str:
 
 
 def child_setup() -> RpcOptions | None:
-    """In a worker process of local_group: take its parent's import path, and return
-    the group's options (None: the defaults)."""
+    """In a worker process of local_group: take its parent's import path (and its
+    modules off that path), and return the group's options (None: the defaults)."""
     parent_path = json.loads(os.environ.pop(CHILD_SYS_PATH_ENV, "[]"))
     if parent_path:
         sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]
+    find_module_files(json.loads(os.environ.pop(CHILD_MODULES_ENV, "{}")))
     encoded = os.environ.pop(CHILD_OPTIONS_ENV, None)
     return None if encoded is None else pickle.loads(base64.b64decode(encoded))
 

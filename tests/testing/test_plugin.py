@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -231,6 +234,70 @@ async def test_local_group_workers_import_like_this_process_and_share_its_option
     finally:
         await group.shutdown()
     assert not os.path.exists(group.logdir)  # noqa: ASYNC240
+
+
+async def test_local_group_workers_import_modules_loaded_from_their_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A module loaded from its file under a name that no finder knows (pytest's
+    importlib import mode, importlib.util.spec_from_file_location) is found by the
+    workers too, and its packages with it."""
+    import actorgrad as ag
+    from actorgrad.testing import local_group
+
+    (tmp_path / "loaded_by_file.py").write_text("def triple(x):\n    return 3 * x\n")
+    spec = importlib.util.spec_from_file_location("made.up.loaded_by_file", tmp_path / "loaded_by_file.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # its packages, without files, as pytest makes them (pickle imports the name)
+    names = {"made": types.ModuleType("made"), "made.up": types.ModuleType("made.up"), spec.name: module}
+    sys.modules.update(names)
+    try:
+        spec.loader.exec_module(module)
+        group = await local_group(2)
+        try:
+            assert await ag.rpc_async("worker1", module.triple, args=(14,)) == 42
+        finally:
+            await group.shutdown()
+    finally:
+        for name in names:
+            del sys.modules[name]
+
+
+IMPORTLIB_MODE_SUITE = '''
+import dataclasses
+import actorgrad as ag
+
+
+def double(x):
+    return 2 * x
+
+
+@dataclasses.dataclass
+class Box:
+    value: int
+
+
+def unbox(box):
+    return box.value
+
+
+async def test_a_worker_process_imports_a_module_pytest_did_not_put_on_the_path(actorgrad_process_group):
+    assert await ag.rpc_async("worker1", double, args=(21,)) == 42
+    assert await ag.rpc_async("worker1", unbox, args=(Box(7),)) == 7
+'''
+
+
+@pytest.mark.slow
+def test_plugin_with_pytests_importlib_import_mode(pytester: pytest.Pytester) -> None:
+    """Under --import-mode=importlib, pytest names test modules after their path from
+    the root folder (here not on sys.path: pytest runs from its parent)."""
+    root = pytester.mkdir("project")
+    root.joinpath("pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n")
+    root.joinpath("tests", "sub").mkdir(parents=True)
+    root.joinpath("tests", "sub", "test_deep.py").write_text(IMPORTLIB_MODE_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--import-mode=importlib", "-q", "project",
+    )
+    result.assert_outcomes(passed=1)
 
 
 async def test_groups_started_one_after_another_do_not_keep_each_other_alive(monkeypatch) -> None:  # type: ignore[no-untyped-def]
