@@ -19,6 +19,7 @@ import torch
 from .._errors import CollectiveError
 from ..runtime import get_worker
 from ..runtime._calls import check_timeout
+from ..runtime._current import off_loop_error
 from ..wire import dumps
 from ._actor import CollectiveActor, actor
 from ._types import Group, ReduceOp, Work
@@ -475,7 +476,7 @@ def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | N
     except RuntimeError:
         running = None
     if running is not act.worker.loop:
-        raise RuntimeError(f"{what} must be called on the worker's event loop")
+        raise off_loop_error(act.worker, what)
     g = _group(act, group)
     if act.worker.rank not in g.ranks:
         warnings.warn(

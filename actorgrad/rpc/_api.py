@@ -20,7 +20,7 @@ import torch
 from .._errors import RemoteError
 from ..runtime import PeerRef, Worker, get_worker, run_sync
 from ..runtime._calls import check_timeout
-from ..runtime._current import on_loop
+from ..runtime._current import off_loop_error, on_loop
 from ..runtime._torch_modes import InOwnModes, as_a_fresh_thread, fresh_modes
 from ..wire import Payload
 from ..wire._codec import forward_transform_active, sending_for_forward_transform
@@ -401,9 +401,7 @@ def rpc_async(
         raise TypeError(f"rpc func must be callable, got {type(func).__name__}")
     worker = get_worker()
     if not on_loop(worker):
-        raise RuntimeError(
-            "rpc_async must be called on the worker's event loop; use rpc_sync from threads"
-        )
+        raise off_loop_error(worker, "rpc_async")
     args, kwargs = call_arguments("rpc", args, kwargs, timeout)
     _, reply = send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True, func)
     return reply

@@ -63,6 +63,28 @@ def on_loop(worker: Worker) -> bool:
         return False
 
 
+# why code may run on another loop than its worker's, and what to do
+OTHER_LOOP_HINT = (
+    "a worker calls and serves on the event loop it was started on; under pytest-asyncio, "
+    "a fixture whose loop_scope differs from its test's runs on another loop: give it the "
+    "test's loop_scope"
+)
+
+
+def off_loop_error(worker: Worker, what: str) -> RuntimeError:
+    """What ``what``, which must run on ``worker``'s loop, raises anywhere else."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return RuntimeError(
+            f"{what} must be called on the event loop of {worker.name}; from a thread, use "
+            "the blocking *_sync form (rpc_sync, rref.to_here_sync...)"
+        )
+    return RuntimeError(
+        f"{what} was called on an event loop other than the one {worker.name} runs on: {OTHER_LOOP_HINT}"
+    )
+
+
 def live_on(loop: asyncio.AbstractEventLoop) -> list[Worker]:
     """The workers running on ``loop``."""
     return [w for w in _live_workers if not w.closed and w.loop is loop]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import RpcTimeout
+from ._current import OTHER_LOOP_HINT
 
 if TYPE_CHECKING:
     from ._worker import Worker
@@ -72,8 +73,9 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
         # nobody runs the worker's loop, and this thread cannot while it runs another:
         # refused before anything is sent
         raise RuntimeError(
-            "a blocking *_sync call from inside another event loop, while the worker's loop "
-            "is not running: use the async form on the worker's loop"
+            "a blocking call (a *_sync call, or remote() away from the worker's loop) made "
+            "inside an event loop other than the worker's, while the worker's loop is not "
+            f"running: use the async form on the worker's loop ({OTHER_LOOP_HINT})"
         )
     note_blocking_call()
     ctx = contextvars.copy_context()

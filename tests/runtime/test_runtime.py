@@ -25,7 +25,7 @@ import torch
 
 import actorgrad as ag
 from actorgrad.runtime import get_worker
-from actorgrad.testing import InProcessGroup, free_port
+from actorgrad.testing import InProcessGroup, free_port, start_in_process
 from actorgrad.wire import Call, Connection, Established, Goodbye, Kind, Payload, tcp_endpoint
 from actorgrad.wire._connection import _encode
 from actorgrad.wire._frames import HEADER, MAGIC, PROTOCOL_VERSION
@@ -622,8 +622,6 @@ async def test_no_auth_key_is_refused_off_loopback_and_warned_on_it(monkeypatch,
 
 
 async def test_in_process_groups_make_a_key_of_their_own(monkeypatch):
-    from actorgrad.testing import start_in_process
-
     monkeypatch.delenv("ACTORGRAD_AUTH_KEY", raising=False)
     group = await start_in_process(2)
     try:
@@ -1569,3 +1567,22 @@ async def test_local_group_shutdown_does_not_wait_long_for_a_worker_given_up_on(
     assert took < 6, took  # ~1 s of silence, then the 2 s grace
     assert group.processes[0].poll() is not None  # killed, not left stopped
     assert group.processes[1].returncode == 0  # worker2 left by itself
+
+
+def test_calls_on_another_loop_than_the_workers_say_so():
+    """A coroutine on another loop than its worker's (a pytest-asyncio fixture of another
+    loop_scope than its test) is told so, not told to use rpc_sync from a thread."""
+    loop = asyncio.new_event_loop()
+    group = loop.run_until_complete(start_in_process(2))
+    try:
+        async def elsewhere() -> None:
+            with pytest.raises(RuntimeError, match="rpc_async was called on an event loop other than "
+                                                   "the one worker0 runs on.*loop_scope"):
+                await ag.rpc_async("worker1", max, args=(1, 2))
+            with pytest.raises(RuntimeError, match="remote.*inside an event loop other than the worker's.*loop_scope"):
+                ag.remote("worker1", max, args=(1, 2))
+
+        asyncio.run(elsewhere())
+    finally:
+        loop.run_until_complete(group.shutdown(graceful=False))
+        loop.close()
