@@ -19,6 +19,9 @@ current_worker: contextvars.ContextVar[Worker | None] = contextvars.ContextVar(
     "actorgrad_worker", default=None
 )
 _live_workers: list[Worker] = []
+# workers whose start() still runs: not yet what the module-level API talks to, but
+# serving peers' calls already (a forked child forsakes them too)
+_starting: list[Worker] = []
 _default: list[Worker] = []  # the worker that code outside any worker context acts as
 
 
@@ -34,14 +37,24 @@ def default() -> Worker | None:
     return _default[0] if _default else None
 
 
+def starting(worker: Worker) -> None:
+    """``worker`` may serve calls from now on (see :func:`register`)."""
+    _starting.append(worker)
+
+
 def register(worker: Worker) -> None:
+    """``worker`` joined its group: the module-level API may talk to it."""
+    if worker in _starting:
+        _starting.remove(worker)
     _live_workers.append(worker)
 
 
 def _forsake_after_fork() -> None:
-    """In a forked child: the workers are the parent's (see Worker.forsake_in_child)."""
-    for worker in _live_workers:
+    """In a forked child: the workers are the parent's (see Worker.forsake_in_child),
+    also one whose start still ran (a remote function it served forked)."""
+    for worker in (*_starting, *_live_workers):
         worker.forsake_in_child()
+    _starting.clear()
     _live_workers.clear()
     _default.clear()
 
@@ -50,6 +63,8 @@ os.register_at_fork(after_in_child=_forsake_after_fork)
 
 
 def unregister(worker: Worker) -> None:
+    if worker in _starting:
+        _starting.remove(worker)
     if worker in _live_workers:
         _live_workers.remove(worker)
 

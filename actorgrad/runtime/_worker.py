@@ -294,6 +294,7 @@ class Worker:
         # what we publish is what peers dial: the handshake binds it (see _connection)
         self._tcp_endpoint = tcp_endpoint(advertise, listen_port)
         try:
+            _current.starting(self)  # (peers learn our address from here on, and may call)
             if scheme == "tcp":
                 if self.rank == 0:
                     self._store_server = StoreServer()

@@ -64,3 +64,34 @@ def test_a_forked_child_that_exits_leaves_the_parents_group_alone(tmp_path) -> N
         "shut down",
     ], proc.stdout + proc.stderr[-3000:]
     assert "WorkerLost" not in proc.stderr and "heartbeat" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_worker_still_starting_is_forsaken_in_a_forked_child() -> None:
+    """A worker serves its peers' calls before its own init_rpc returned (as torch's): a
+    remote function that forks then must leave a child in which the worker is closed,
+    so the child's calls fail at once instead of waiting for the parent's loop."""
+    import os
+
+    from actorgrad.runtime import _current
+
+    class Starting:
+        closed = False
+
+        def forsake_in_child(self) -> None:
+            self.closed = True
+
+    worker = Starting()
+    _current.starting(worker)  # type: ignore[arg-type]
+    read, write = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, b"closed" if worker.closed else b"open")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 16) == b"closed"
+        assert not worker.closed  # (the parent's worker is left as it was)
+    finally:
+        _current.unregister(worker)  # type: ignore[arg-type]
+        os.close(read)
+        os.close(write)
