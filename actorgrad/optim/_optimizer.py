@@ -86,6 +86,11 @@ class OptimizerActor:
                 optimizer = await self.worker.run_blocking(
                     lambda: msg.optimizer_class(params, *msg.args, **msg.kwargs)
                 )
+                if not callable(getattr(optimizer, "step", None)):
+                    raise TypeError(
+                        f"optimizer_class made a {type(optimizer).__name__}, which has no step(): "
+                        "DistributedOptimizer needs a torch.optim.Optimizer subclass"
+                    )
                 if not self._creating[key]:
                     self.optimizers[key] = _LocalOptimizer(optimizer, params)
             finally:
@@ -177,8 +182,13 @@ def _check_arguments(optimizer_class: Any, args: tuple[Any, ...], kwargs: dict[s
     keyword) here and now, as torch's constructor does, instead of at the first step:
     the constructor runs until it reads its parameters. Other failures are the
     owners' to report (an optimizer may need the real parameters)."""
-    if not callable(optimizer_class):
-        raise TypeError(f"optimizer_class must be an optimizer class, got {optimizer_class!r}")
+    if not callable(optimizer_class) or (
+            isinstance(optimizer_class, type) and not issubclass(optimizer_class, torch.optim.Optimizer)
+            and not callable(getattr(optimizer_class, "step", None))):
+        raise TypeError(
+            f"optimizer_class must be an optimizer class (a torch.optim.Optimizer subclass), "
+            f"got {optimizer_class!r}"
+        )
     try:
         optimizer_class(_NoParameters(), *args, **kwargs)
     except _ReachedParameters:

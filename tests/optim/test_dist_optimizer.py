@@ -269,6 +269,20 @@ async def test_arguments_every_owner_would_refuse_are_refused_at_once(group2):
         ag.optim.DistributedOptimizer(torch.optim.Adam, [w], lr=0.1, moment=0.9)
     with pytest.raises(TypeError, match="optimizer class"):
         ag.optim.DistributedOptimizer("SGD", [w], lr=0.1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer class .* got <class 'list'>"):
+        ag.optim.DistributedOptimizer(list, [w])  # type: ignore[arg-type]
+
+
+def _not_an_optimizer(params: object, lr: float) -> dict[str, float]:
+    return {"lr": lr}
+
+
+async def test_a_factory_that_makes_no_optimizer_is_named_at_the_first_step(group2):
+    w = ag.remote("worker1", torch.zeros, args=(3,), kwargs={"requires_grad": True})
+    opt = ag.optim.DistributedOptimizer(_not_an_optimizer, [w], lr=0.1)  # type: ignore[arg-type]
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(ag.RemoteError, match="optimizer_class made a dict, which has no step"):
+            await opt.step(context_id)
 
 
 async def test_optimizer_that_checks_its_parameters_is_judged_by_its_owners(group2):
