@@ -56,6 +56,12 @@ async def init_rpc(
     world_size = None if world_size is None else int(world_size)
     options = options or RpcOptions()
     _, _, _, rank, world_size = parse_init_method(init_method, rank, world_size)
+    current = _current.current_worker.get()
+    if current is not None and not current.closed:
+        raise ActorgradError(
+            f"RPC is already initialized here (as {current.name!r}): `await actorgrad.shutdown()` "
+            "before init_rpc again"
+        )
     if _current.running_here(name):
         raise ActorgradError(f"a worker named {name!r} is already running on this loop")
     load_layers()
