@@ -499,15 +499,22 @@ class context:  # noqa: N801 - named like torch.distributed.autograd.context
         self._token: contextvars.Token[DistContext | None] | None = None
 
     def __enter__(self) -> int:
+        if self._ctx is not None:
+            raise RuntimeError(
+                f"this autograd.context() is in use already (context {self._ctx.context_id}): "
+                "make a new autograd.context() for another context"
+            )
         self._actor = context_actor()
         self._ctx = self._actor.create()
         self._token = current_context.set(self._ctx)
         return self._ctx.context_id
 
     def __exit__(self, *exc: object) -> None:
-        assert self._actor is not None and self._ctx is not None and self._token is not None
+        if self._actor is None or self._ctx is None or self._token is None:
+            raise RuntimeError("an autograd.context() was left without being entered")
         current_context.reset(self._token)
         actor, context_id = self._actor, self._ctx.context_id
+        self._actor = self._ctx = self._token = None  # (it may be entered again)
         loop = actor.worker.loop
         if loop.is_running() and not on_loop(actor.worker):
             # left in a thread beside the running loop (a remote function on the pool, a

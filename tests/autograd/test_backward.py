@@ -996,3 +996,20 @@ async def test_bad_arguments_are_refused_before_the_backward_starts(group2):
             await rref.backward("x")  # type: ignore[arg-type]
         await ag.autograd.backward(context_id, [loss])
         torch.testing.assert_close(ag.autograd.get_gradients(context_id)[x], torch.full((3,), 2.0))
+
+
+async def test_a_context_object_is_in_one_context_at_a_time(group2):
+    """Entered again while in use, an autograd.context() says so (it left the first
+    context behind, never released); once left it may be entered again, as torch's."""
+    manager = ag.autograd.context()
+    async with manager as first:
+        with pytest.raises(RuntimeError, match=f"in use already \\(context {first}\\)"):
+            async with manager:
+                pass
+        assert ag.autograd.debug_info()["num_autograd_contexts"] == 1
+    assert ag.autograd.debug_info()["num_autograd_contexts"] == 0
+    async with manager as again:
+        assert again != first
+    assert ag.autograd.debug_info()["num_autograd_contexts"] == 0
+    with pytest.raises(RuntimeError, match="left without being entered"):
+        await ag.autograd.context().__aexit__(None, None, None)
