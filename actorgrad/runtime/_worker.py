@@ -1135,6 +1135,8 @@ class Worker:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or not timeout >= 0):
             raise ValueError(f"shutdown timeout must be a number of seconds >= 0, got {timeout!r}")
+        if not isinstance(graceful, bool):
+            raise TypeError(f"shutdown graceful must be True or False, got {graceful!r}")
         if self.closed:
             return
         self.shutting_down = True

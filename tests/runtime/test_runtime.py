@@ -1586,3 +1586,24 @@ def test_calls_on_another_loop_than_the_workers_say_so():
     finally:
         loop.run_until_complete(group.shutdown(graceful=False))
         loop.close()
+
+
+async def test_init_rpc_again_before_shutdown_is_refused():
+    """As torch: a second init_rpc, under another name, raises (it started a second
+    worker that the module-level API did not talk to and that outlived shutdown())."""
+    group = await start_in_process(2)
+    try:
+        with pytest.raises(ag.ActorgradError, match="RPC is already initialized here \\(as 'worker0'\\)"):
+            await ag.init_rpc("another", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+        assert await ag.rpc_async("worker1", operator.add, args=(1, 2)) == 3
+    finally:
+        await group.shutdown(graceful=False)
+
+
+async def test_shutdown_arguments_are_checked_before_anything_closes(make_group):
+    group = await make_group(2)
+    with pytest.raises(TypeError, match="graceful must be True or False, got 'no'"):
+        await group.workers[0].shutdown(graceful="no")
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        await group.workers[0].shutdown(timeout=-1)
+    assert await ag.rpc_async("worker1", operator.add, args=(1, 2)) == 3
