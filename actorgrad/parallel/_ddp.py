@@ -56,6 +56,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import numbers
 import weakref
 from collections.abc import AsyncIterator, Iterator
@@ -116,8 +117,8 @@ class DistributedDataParallel(nn.Module):
         cap: Any = bucket_cap_mb  # (typed float; a numpy number or a mistake may come)
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {type(bucket_cap_mb).__name__}")
-        if not bucket_cap_mb > 0:  # (NaN too)
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not 0 < bucket_cap_mb < math.inf:  # (NaN too)
+            raise ValueError(f"bucket_cap_mb must be a number of MiB > 0, got {bucket_cap_mb}")
         for name, sub in module.named_modules():
             if getattr(sub, "sparse", False) is True and isinstance(sub, (nn.Embedding, nn.EmbeddingBag)):
                 raise ValueError(
@@ -228,23 +229,33 @@ class DistributedDataParallel(nn.Module):
         return ddp
 
     async def _check_same_model(self) -> None:
-        """Every member wraps the same model, as torch checks at construction: another
-        shape failed in the broadcast without naming the model, and another set of
-        parameters that require grad failed in the first backward's all-reduce."""
+        """Every member wraps the same model with the same settings, as torch checks at
+        construction: another shape failed in the broadcast without naming the model,
+        another set of parameters that require grad failed in the first backward's
+        all-reduce, and other buckets or other checks for unused parameters made the
+        ranks' collectives differ, leaving the group out of step for good."""
         mine = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
                 for n, p in self.module.named_parameters()]
         if self.broadcast_buffers:
             mine += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
+        settings = {"bucket_cap_mb": self.bucket_cap_mb, "find_unused_parameters": self.find_unused_parameters,
+                    "broadcast_buffers": self.broadcast_buffers}
         ranks = self.group.ranks if self.group is not None else list(range(self._worker.world_size))
         seen: list[Any] = [None] * len(ranks)
-        await C.all_gather_object(seen, mine, self.group)
+        await C.all_gather_object(seen, (settings, mine), self.group)
         if any(other is None for other in seen):
             return  # not a member (warned): nothing was gathered
-        for rank, other in zip(ranks[1:], seen[1:], strict=True):
-            if other != seen[0]:
+        for rank, (other_settings, other) in zip(ranks[1:], seen[1:], strict=True):
+            for key, value in seen[0][0].items():
+                if other_settings.get(key) != value:
+                    raise ValueError(
+                        f"DistributedDataParallel.create: every rank needs the same {key}, got "
+                        f"{value!r} on rank {ranks[0]} and {other_settings.get(key)!r} on rank {rank}"
+                    )
+            if other != seen[0][1]:
                 raise ValueError(
                     "DistributedDataParallel.create: the module differs between ranks, so its "
-                    f"replicas cannot be kept equal: {_difference(seen[0], ranks[0], other, rank)}"
+                    f"replicas cannot be kept equal: {_difference(seen[0][1], ranks[0], other, rank)}"
                 )
 
     # -- construction -------------------------------------------------------------------

@@ -471,6 +471,30 @@ async def test_a_module_that_differs_between_ranks_is_refused_by_name(make_group
         assert said in str(r), r
 
 
+@pytest.mark.parametrize("setting", ["bucket_cap_mb", "find_unused_parameters"])
+async def test_settings_that_differ_between_ranks_are_refused_by_name(make_group: Any, setting: str) -> None:
+    # (other buckets or other checks for unused parameters make the ranks' collectives
+    # differ: the group went out of step for good at the first backward)
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> float:
+        kwargs: dict[str, Any] = {setting: (0.0001 if rank else 25.0) if setting == "bucket_cap_mb" else bool(rank)}
+        with pytest.raises(ValueError, match=f"every rank needs the same {setting}, got .* on rank 0 and .* on rank 1"):
+            await DDP.create(mlp(0), **kwargs)
+        t = torch.ones(2)
+        await C.all_reduce(t)  # the group is still in step
+        return t.sum().item()
+
+    assert await run_settled(group, body) == [4.0, 4.0]
+
+
+@pytest.mark.parametrize("cap", [float("inf"), float("nan"), 0, -1])
+async def test_a_bucket_cap_that_is_no_size_is_refused(make_group: Any, cap: float) -> None:
+    await make_group(1)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB > 0"):
+        await DDP.create(mlp(0), bucket_cap_mb=cap)
+
+
 async def test_constructor_needs_create() -> None:
     with pytest.raises(TypeError, match="create"):
         DDP(mlp(0))
