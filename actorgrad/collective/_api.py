@@ -169,6 +169,7 @@ def get_backend(group: Group | None = None) -> str:
 def get_global_rank(group: Group, group_rank: int) -> int:
     """The global rank of the member with rank ``group_rank`` in ``group``."""
     g = _group(actor(), group)
+    group_rank = _rank_arg(group_rank, "group_rank")
     if not 0 <= group_rank < len(g.ranks):
         raise ValueError(f"group rank {group_rank} out of range for {g!r}")
     return g.ranks[group_rank]
@@ -176,7 +177,7 @@ def get_global_rank(group: Group, group_rank: int) -> int:
 
 def get_group_rank(group: Group, global_rank: int) -> int:
     """The rank inside ``group`` of global rank ``global_rank``."""
-    return _group(actor(), group).group_rank(global_rank)
+    return _group(actor(), group).group_rank(_rank_arg(global_rank, "global_rank"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -594,3 +594,13 @@ async def test_an_all_reduce_refused_on_one_rank_is_not_paired_with_its_next(
     assert time.monotonic() - start < 10
     assert [outcome for outcome, _ in results] == ["CollectiveError", "TypeError", "CollectiveError"]
     assert all(values == [3.0, 3.0] for _, values in results)
+
+
+async def test_group_rank_lookups_name_a_rank_that_is_no_int(make_group: object) -> None:
+    await make_group(2)  # type: ignore[operator]
+    group = C.new_group([0, 1])
+    assert C.get_global_rank(group, 1) == 1 and C.get_group_rank(group, 1) == 1
+    with pytest.raises(TypeError, match="group_rank must be an int rank, got str"):
+        C.get_global_rank(group, "0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="global_rank must be an int rank, got NoneType"):
+        C.get_group_rank(group, None)  # type: ignore[arg-type]
