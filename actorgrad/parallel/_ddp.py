@@ -151,6 +151,9 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = 0
         self._active = False  # inside backward(): hooks feed the buckets
         self._status_issued = self._buffers_issued = False  # by this backward, so far
+        # all-reduces of buckets that a cancelled backward left running: they write into
+        # the buckets when they end, so the next backward waits for them first
+        self._unfinished: list[asyncio.Future[Any]] = []
         self._ready = [False] * len(self._params)
         # Written by the hooks, on the backward's thread (``_ready`` lags behind, on the
         # loop): which parameters were claimed in this backward, and which came twice.
@@ -487,6 +490,8 @@ class DistributedDataParallel(nn.Module):
             await _to_its_end(self._worker.run_blocking(local))
             return
         for wrapper in wrappers:
+            await wrapper._buckets_settled()
+        for wrapper in wrappers:
             wrapper._begin(deferred=wrapper is not self)
         local_error: Exception | None = None
         errors = []
@@ -510,6 +515,7 @@ class DistributedDataParallel(nn.Module):
         its context (``grads``) over the group, there, as torch's DDP does inside
         ``dist_autograd.backward``; the same collectives and checks as :meth:`backward`.
         (Deferred: no bucket goes out before every slot holds the context's value.)"""
+        await self._buckets_settled()
         self._begin(deferred=True)
         error: Exception | None = None
         try:
@@ -579,6 +585,14 @@ class DistributedDataParallel(nn.Module):
             self._buffers_issued = True
         self._active = False
         self._armed = False
+        self._unfinished = [b.future for b in self._buckets if b.future is not None and not b.future.done()]
+
+    async def _buckets_settled(self) -> None:
+        """Wait for the all-reduces a cancelled backward left running (their results are
+        not this backward's gradients: they land in the buckets, unused)."""
+        if self._unfinished:  # (shielded: a wait given up on leaves them to the next)
+            await asyncio.shield(asyncio.gather(*self._unfinished, return_exceptions=True))
+            self._unfinished = []
 
     def _begin(self, deferred: bool) -> None:
         self._status_issued = self._buffers_issued = False
@@ -607,7 +621,11 @@ class DistributedDataParallel(nn.Module):
                              [not failed and i in missing for i in range(n)], failed)
             status_done = start_all_reduce(status, C.ReduceOp.SUM, self.group)
             self._status_issued = True
-            await asyncio.gather(*(b.future for b in self._buckets if b.future is not None), status_done)
+            # shielded: a cancelled backward must not cancel the buckets' futures, whose
+            # all-reduces go on and write into the buckets (see _buckets_settled)
+            landed = asyncio.gather(*(b.future for b in self._buckets if b.future is not None), status_done)
+            landed.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read, if left)
+            await asyncio.shield(landed)
             counts = [round(v) for v in status.tolist()]
             global_used = [k > 0 for k in counts[:n]] if self.find_unused_parameters else None
             late_ranks, missing_ranks, failed_ranks = counts[n : 2 * n], counts[2 * n : 3 * n], counts[3 * n]

@@ -862,6 +862,43 @@ async def test_a_backward_cancelled_on_one_rank_keeps_the_ranks_in_step(make_gro
         assert_close(g0, g1)
 
 
+async def test_a_backward_cancelled_while_its_buckets_wait_leaves_the_next_step_exact(make_group: Any) -> None:
+    """Rank 0 gives up its step-1 backward while its buckets wait for the slow rank 1:
+    their all-reduces go on, and land in its buckets later. The next step averages its
+    own gradients (it used to send rank 0's late step-1 averages instead, on every rank
+    the same wrong result, and raised nothing)."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[str, list[torch.Tensor]]:
+        model = mlp(0)
+        ddp = await DDP.create(model, bucket_cap_mb=1e-4)
+        outcome = "ok"
+        loss = ddp(X[4 * rank : 4 * rank + 4]).square().mean()
+        try:
+            if rank == 0:
+                await asyncio.wait_for(ddp.backward(loss), 0.1)
+            else:
+                await ddp.backward(_SlowBackward.apply(loss))
+        except TimeoutError:
+            outcome = "TimeoutError"
+        model.zero_grad(set_to_none=True)
+        await ddp.backward(ddp(X[4 * rank : 4 * rank + 4]).square().mean())
+        return outcome, [p.grad.clone() for p in model.parameters()]
+
+    results = await run_all(group, body)
+    assert [outcome for outcome, _ in results] == ["TimeoutError", "ok"]
+    local = mlp(0)
+    per_rank = []
+    for rank in range(2):
+        local.zero_grad(set_to_none=True)
+        local(X[4 * rank : 4 * rank + 4]).square().mean().backward()
+        per_rank.append([p.grad.clone() for p in local.parameters()])
+    expected = [(a + b) / 2 for a, b in zip(*per_rank, strict=True)]
+    for _, grads in results:
+        for got, want in zip(grads, expected, strict=True):
+            assert_close(got, want)
+
+
 class _SlowerBackward(_Identity):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
