@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._errors import ContextError
 from ..autograd import _context
 from ..rpc import RRef
 from ..rpc._api import pickling_for
@@ -248,7 +249,8 @@ class DistributedOptimizer:
         (cancelled, timed out) also returns only once the owners' steps ended.
 
         Raises:
-            ContextError: ``context_id`` is not a live context of this worker.
+            ContextError: ``context_id`` is not a live context of this worker, or a
+                backward in it failed midway (cancelled, a peer lost...).
         """
         if self._worker.closed:
             # (its contexts are gone: the error read as if the live context did not exist)
@@ -256,7 +258,14 @@ class DistributedOptimizer:
                 f"this DistributedOptimizer belongs to {self._worker.name} of a group that was shut "
                 "down; make a new one for the parameters of the current group"
             )
-        _context.context_actor(self._worker).get(context_id)
+        ctx = _context.context_actor(self._worker).get(context_id)
+        if ctx.failed_backward is not None:
+            raise ContextError(
+                f"a backward in context {context_id} failed ({ctx.failed_backward}): its "
+                "gradients are partial (some owners may have theirs, others not), and a step "
+                "on them would update only part of the model: run the iteration again in a "
+                "new context"
+            )
         if self._creation is not None:
             # shielded: a step given up here (a timeout) must not cancel the creation
             # of the owners' optimizers, which every later step needs

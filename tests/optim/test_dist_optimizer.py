@@ -467,3 +467,35 @@ async def test_a_step_given_up_ends_once_the_owners_step_did(group2):
         (grad,) = torch.autograd.grad(scaled_sum(lp, x), lp)
         lp = clone_leaf(lp.detach() - grad)
     torch.testing.assert_close(await rref.to_here(), lp.detach())
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        return grad
+
+
+def _summed(rref: ag.RRef, slowly: bool) -> torch.Tensor:
+    p = rref.local_value()
+    return (_SlowBackward.apply(p) if slowly else p).sum()
+
+
+async def test_a_step_on_the_gradients_of_a_backward_that_failed_midway_is_refused(group3):
+    """A backward given up on (here: cancelled by a timeout) left gradients with some
+    owners and not others: a step on them would update part of the model."""
+    rrefs = [ag.remote(f"worker{r}", make_param, args=(r,)) for r in (1, 2)]
+    before = [await r.to_here() for r in rrefs]
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
+    async with ag.autograd.context() as context_id:
+        parts = [await ag.rpc_async(f"worker{r}", _summed, args=(rref, r == 2)) for r, rref in zip((1, 2), rrefs)]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ag.autograd.backward(context_id, [parts[0] + parts[1]]), 0.2)
+        with pytest.raises(ag.ContextError, match="failed .*gradients are partial"):
+            await opt.step(context_id)
+    for rref, old in zip(rrefs, before):
+        assert torch.equal(await rref.to_here(), old)
