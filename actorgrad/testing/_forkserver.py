@@ -319,7 +319,8 @@ class ForkServer:
 # for each group, pytest's name of the running test, and one torch sets once it used its
 # compiler. (Any other change starts a new server: slower, never wrong.)
 _PER_GROUP = ("ACTORGRAD_AUTH_KEY", "ACTORGRAD_LOCAL_GROUP_SYS_PATH", "ACTORGRAD_LOCAL_GROUP_OPTIONS",
-              "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+              "ACTORGRAD_LOCAL_GROUP_MODULES", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST",
+              "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _key(env: dict[str, str], cwd: str) -> tuple[Any, ...]:

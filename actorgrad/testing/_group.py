@@ -236,12 +236,16 @@ async def local_group(
     # sys.path on), the modules it loaded from files that the path does not lead to,
     # and the options of the group
     child_env[CHILD_SYS_PATH_ENV] = json.dumps([p or os.getcwd() for p in sys.path])
-    off_the_path = modules_off_the_path()
-    if off_the_path:
-        child_env[CHILD_MODULES_ENV] = json.dumps(off_the_path)
     if options is not None:
         child_env[CHILD_OPTIONS_ENV] = _encode_options(options)
     logdir = tempfile.mkdtemp(prefix="actorgrad-group-")
+    off_the_path = modules_off_the_path()
+    if off_the_path:  # (in a file: a suite's test modules may list more than an
+        # environment variable holds, 128 KiB)
+        listing = os.path.join(logdir, "modules.json")
+        with open(listing, "w") as f:  # noqa: ASYNC230 - a small file, once per group
+            json.dump(off_the_path, f)
+        child_env[CHILD_MODULES_ENV] = listing
     args = {rank: [str(rank), str(world_size), f"tcp://127.0.0.1:{port}", str(os.getpid())]
             for rank in range(1, world_size)}
     if _forkserver.supported(child_env):
@@ -382,7 +386,10 @@ def child_setup() -> RpcOptions | None:
     parent_path = json.loads(os.environ.pop(CHILD_SYS_PATH_ENV, "[]"))
     if parent_path:
         sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]
-    find_module_files(json.loads(os.environ.pop(CHILD_MODULES_ENV, "{}")))
+    listing = os.environ.pop(CHILD_MODULES_ENV, None)
+    if listing is not None:
+        with open(listing) as f:
+            find_module_files(json.load(f))
     encoded = os.environ.pop(CHILD_OPTIONS_ENV, None)
     return None if encoded is None else pickle.loads(base64.b64decode(encoded))
 

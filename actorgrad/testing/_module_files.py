@@ -20,9 +20,6 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-# a listing longer than this is left out: it travels in an environment variable
-MAX_LISTED = 2000
-
 
 def modules_off_the_path() -> dict[str, str | None]:
     """This process's modules that no finder of its import system finds by name:
@@ -42,7 +39,7 @@ def modules_off_the_path() -> dict[str, str | None]:
         parts = name.split(".")
         for end in range(1, len(parts)):
             files.setdefault(".".join(parts[:end]), None)
-    return files if len(files) <= MAX_LISTED else {}
+    return files
 
 
 def _findable(top: str) -> bool:

@@ -95,3 +95,26 @@ def test_a_worker_still_starting_is_forsaken_in_a_forked_child() -> None:
         _current.unregister(worker)  # type: ignore[arg-type]
         os.close(read)
         os.close(write)
+
+
+async def test_a_worker_is_known_to_the_fork_handler_from_the_start_of_its_rendezvous() -> None:
+    """From the moment its peers may learn its address (and call it), until a start that
+    failed ended: what the test above relies on, through init_rpc itself."""
+    import asyncio
+    import contextlib
+
+    import actorgrad as ag
+    from actorgrad.runtime import _current
+    from actorgrad.testing import free_port
+
+    start = asyncio.ensure_future(ag.init_rpc(
+        "alone", rank=0, world_size=2, init_method=f"tcp://127.0.0.1:{free_port()}"))
+    for _ in range(500):  # (it waits for rank 1, who never comes)
+        if _current._starting:
+            break
+        await asyncio.sleep(0.01)
+    assert [w.name for w in _current._starting] == ["alone"]
+    start.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await start
+    assert _current._starting == []
