@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -477,7 +478,8 @@ def _prepare(group: Group | None, what: str) -> tuple[CollectiveActor, Group | N
     except RuntimeError:
         running = None
     if running is not act.worker.loop:
-        raise off_loop_error(act.worker, what)
+        raise off_loop_error(act.worker, what, "hand a coroutine that calls it to that loop "
+                             "(asyncio.run_coroutine_threadsafe)")
     g = _group(act, group)
     if act.worker.rank not in g.ranks:
         warnings.warn(
@@ -567,9 +569,11 @@ def _global_rank(g: Group, rank: Any, group_rank: Any, name: str, default: int |
 
 
 def _rank_arg(r: Any, name: str) -> int:
-    if isinstance(r, bool) or not isinstance(r, int):
-        raise TypeError(f"{name} must be an int rank, got {type(r).__name__}")
-    return r
+    """``r`` as an int rank: an int or any integer (numpy's, a one-element int tensor)."""
+    if not isinstance(r, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(r)
+    raise TypeError(f"{name} must be an int rank, got {type(r).__name__}")
 
 
 def _check_member(r: Any, g: Group, act: CollectiveActor, name: str) -> None:

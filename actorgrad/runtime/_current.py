@@ -86,14 +86,15 @@ OTHER_LOOP_HINT = (
 )
 
 
-def off_loop_error(worker: Worker, what: str) -> RuntimeError:
-    """What ``what``, which must run on ``worker``'s loop, raises anywhere else."""
+def off_loop_error(worker: Worker, what: str, from_a_thread: str = (
+        "use the blocking *_sync form (rpc_sync, rref.to_here_sync...)")) -> RuntimeError:
+    """What ``what``, which must run on ``worker``'s loop, raises anywhere else;
+    ``from_a_thread``: what to do instead in a thread."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return RuntimeError(
-            f"{what} must be called on the event loop of {worker.name}; from a thread, use "
-            "the blocking *_sync form (rpc_sync, rref.to_here_sync...)"
+            f"{what} must be called on the event loop of {worker.name}; from a thread, {from_a_thread}"
         )
     return RuntimeError(
         f"{what} was called on an event loop other than the one {worker.name} runs on: {OTHER_LOOP_HINT}"

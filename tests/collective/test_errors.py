@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 from collective_helpers import run_all, run_all_settled, tune
@@ -600,6 +601,7 @@ async def test_group_rank_lookups_name_a_rank_that_is_no_int(make_group: object)
     await make_group(2)  # type: ignore[operator]
     group = C.new_group([0, 1])
     assert C.get_global_rank(group, 1) == 1 and C.get_group_rank(group, 1) == 1
+    assert C.get_global_rank(group, np.int64(1)) == 1 and C.get_group_rank(group, torch.tensor(1)) == 1
     with pytest.raises(TypeError, match="group_rank must be an int rank, got str"):
         C.get_global_rank(group, "0")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="global_rank must be an int rank, got NoneType"):

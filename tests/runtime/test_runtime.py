@@ -1583,6 +1583,24 @@ def test_calls_on_another_loop_than_the_workers_say_so():
                 ag.remote("worker1", max, args=(1, 2))
 
         asyncio.run(elsewhere())
+        errors: list[BaseException] = []  # from a thread: what to do there instead
+
+        def in_a_thread() -> None:
+            import actorgrad.collective as C
+
+            for call in (lambda: ag.rpc_async("worker1", max, args=(1, 2)), lambda: C.isend(torch.ones(1), dst=1)):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    errors.append(exc)
+
+        thread = threading.Thread(target=in_a_thread)
+        thread.start()
+        thread.join(30)
+        assert [str(e).split("; from a thread, ")[1] for e in errors] == [
+            "use the blocking *_sync form (rpc_sync, rref.to_here_sync...)",
+            "hand a coroutine that calls it to that loop (asyncio.run_coroutine_threadsafe)",
+        ]
     finally:
         loop.run_until_complete(group.shutdown(graceful=False))
         loop.close()
