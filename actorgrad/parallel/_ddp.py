@@ -241,24 +241,33 @@ class DistributedDataParallel(nn.Module):
                 for n, p in self.module.named_parameters()]
         if self.broadcast_buffers:
             mine += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
-        settings = {"bucket_cap_mb": self.bucket_cap_mb, "find_unused_parameters": self.find_unused_parameters,
-                    "broadcast_buffers": self.broadcast_buffers}
+        settings = {"find_unused_parameters": self.find_unused_parameters,
+                    "broadcast_buffers": self.broadcast_buffers,
+                    "buckets": [b.params for b in self._buckets]}  # (what bucket_cap_mb makes)
         ranks = self.group.ranks if self.group is not None else list(range(self._worker.world_size))
         seen: list[Any] = [None] * len(ranks)
-        await C.all_gather_object(seen, (settings, mine), self.group)
+        await C.all_gather_object(seen, (mine, settings, self.bucket_cap_mb), self.group)
         if any(other is None for other in seen):
             return  # not a member (warned): nothing was gathered
-        for rank, (other_settings, other) in zip(ranks[1:], seen[1:], strict=True):
-            for key, value in seen[0][0].items():
-                if other_settings.get(key) != value:
-                    raise ValueError(
-                        f"DistributedDataParallel.create: every rank needs the same {key}, got "
-                        f"{value!r} on rank {ranks[0]} and {other_settings.get(key)!r} on rank {rank}"
-                    )
-            if other != seen[0][1]:
+        first, first_settings, first_cap = seen[0]
+        for rank, (other, other_settings, other_cap) in zip(ranks[1:], seen[1:], strict=True):
+            if other != first:
                 raise ValueError(
                     "DistributedDataParallel.create: the module differs between ranks, so its "
-                    f"replicas cannot be kept equal: {_difference(seen[0][1], ranks[0], other, rank)}"
+                    f"replicas cannot be kept equal: {_difference(first, ranks[0], other, rank)}"
+                )
+            for key, value in first_settings.items():
+                if other_settings[key] == value:
+                    continue
+                if key == "buckets":
+                    raise ValueError(
+                        "DistributedDataParallel.create: every rank needs the same buckets, and "
+                        f"bucket_cap_mb={first_cap!r} on rank {ranks[0]} and bucket_cap_mb="
+                        f"{other_cap!r} on rank {rank} make different ones"
+                    )
+                raise ValueError(
+                    f"DistributedDataParallel.create: every rank needs the same {key}, got "
+                    f"{value!r} on rank {ranks[0]} and {other_settings[key]!r} on rank {rank}"
                 )
 
     # -- construction -------------------------------------------------------------------

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -471,16 +472,21 @@ async def test_a_module_that_differs_between_ranks_is_refused_by_name(make_group
         assert said in str(r), r
 
 
-@pytest.mark.parametrize("setting", ["bucket_cap_mb", "find_unused_parameters"])
+@pytest.mark.parametrize("setting", ["bucket_cap_mb", "find_unused_parameters", "broadcast_buffers"])
 async def test_settings_that_differ_between_ranks_are_refused_by_name(make_group: Any, setting: str) -> None:
     # (other buckets or other checks for unused parameters make the ranks' collectives
     # differ: the group went out of step for good at the first backward)
     group: InProcessGroup = await make_group(2)
+    said = {"bucket_cap_mb": "the same buckets, and bucket_cap_mb=25.0 on rank 0 and bucket_cap_mb=0.0001 on rank 1",
+            "find_unused_parameters": "the same find_unused_parameters, got False on rank 0 and True on rank 1",
+            "broadcast_buffers": "the same broadcast_buffers, got False on rank 0 and True on rank 1"}[setting]
 
     async def body(rank: int) -> float:
         kwargs: dict[str, Any] = {setting: (0.0001 if rank else 25.0) if setting == "bucket_cap_mb" else bool(rank)}
-        with pytest.raises(ValueError, match=f"every rank needs the same {setting}, got .* on rank 0 and .* on rank 1"):
+        with pytest.raises(ValueError, match=re.escape(said)):
             await DDP.create(mlp(0), **kwargs)
+        # the same buckets from another cap are no difference
+        await DDP.create(mlp(0), bucket_cap_mb=25.0 + rank)
         t = torch.ones(2)
         await C.all_reduce(t)  # the group is still in step
         return t.sum().item()
