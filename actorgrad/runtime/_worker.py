@@ -128,7 +128,8 @@ def error_payload(exc: BaseException, main_by_name: bool = False) -> Payload:
     The exception itself travels as separate bytes: if it cannot be pickled here, or
     rebuilt there, the caller still gets its type name, message and traceback.
     ``main_by_name``: the caller runs the same program (see ``Payload.dump``), so an
-    exception class of its ``__main__`` is its own (``except AppError`` catches it).
+    exception of a class of its ``__main__`` arrives as an instance of its own class
+    (``RemoteError.__cause__``: ``except AppError`` catches it raised again).
     """
     try:
         pickled: bytes | None = dumps(exc, main_by_name)
@@ -893,9 +894,10 @@ class Worker:
         if info.id == self.rank:
             return self._loopback  # type: ignore[return-value]
         proto = self.peers.get(info.id)
-        if proto is None or not proto.is_open:
-            raise WorkerLost(info.name, "no open connection (the worker is gone)")
-        if not proto.can_send:  # its goodbye came, its connection closes next
+        if proto is None or not proto.can_send:
+            if proto is None or not proto.is_open:
+                raise WorkerLost(info.name, "no open connection (the worker is gone)")
+            # its goodbye came (or it broke the protocol): its connection closes next
             raise WorkerLost(info.name, proto.left_on_error or (
                 "it shut down" if proto.leaving else "its connection broke"))
         return proto

@@ -492,10 +492,10 @@ async def test_a_step_on_the_gradients_of_a_backward_that_failed_midway_is_refus
     before = [await r.to_here() for r in rrefs]
     opt = ag.optim.DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
     async with ag.autograd.context() as context_id:
-        parts = [await ag.rpc_async(f"worker{r}", _summed, args=(rref, r == 2)) for r, rref in zip((1, 2), rrefs)]
+        parts = [await ag.rpc_async(f"worker{r}", _summed, args=(rref, r == 2)) for r, rref in zip((1, 2), rrefs, strict=True)]
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(ag.autograd.backward(context_id, [parts[0] + parts[1]]), 0.2)
         with pytest.raises(ag.ContextError, match="failed .*gradients are partial"):
             await opt.step(context_id)
-    for rref, old in zip(rrefs, before):
+    for rref, old in zip(rrefs, before, strict=True):
         assert torch.equal(await rref.to_here(), old)

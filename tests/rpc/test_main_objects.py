@@ -374,6 +374,7 @@ def test_the_class_fingerprint_follows_its_code_not_its_state():
     assert first == second  # attributes set after the class statement leave it alone
 
 
-def test_functions_of_other_modules_are_not_affected():
-    body = bytes(Payload.dump(textwrap.dedent).body)  # by reference, as before
-    assert b"textwrap" in body and b"_main_objects" not in body
+def test_functions_and_classes_of_other_modules_are_not_affected():
+    for obj in (textwrap.dedent, textwrap.TextWrapper, textwrap.TextWrapper.wrap, Path):
+        body = bytes(Payload.dump(obj, main_by_name=True).body)  # by reference, as before
+        assert obj.__module__.encode() in body and b"_main_objects" not in body, obj
