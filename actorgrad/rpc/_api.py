@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._errors import RemoteError
-from ..runtime import PeerRef, Worker, get_worker, run_sync
+from ..runtime import PeerRef, Worker, get_worker, run_sync, start_threadsafe
 from ..runtime._calls import check_timeout
 from ..runtime._current import off_loop_error, on_loop
 from ..runtime._torch_modes import InOwnModes, as_a_fresh_thread, fresh_modes
@@ -392,7 +392,10 @@ def rpc_async(
 
     Returns:
         A future with the result. Awaiting it raises RemoteError when ``func`` raised,
-        RpcTimeout on timeout and WorkerLost when the callee died.
+        RpcTimeout on timeout and WorkerLost when the callee died. Called from a
+        thread while the worker's loop runs (a remote function that is not ``async``,
+        as torch's idiom has it), a ``torch.futures.Future`` instead: ``.wait()``,
+        ``.then()``, or return it to answer with its value.
 
     Raises:
         ValueError: ``timeout`` is negative.
@@ -400,9 +403,13 @@ def rpc_async(
     if not callable(func):
         raise TypeError(f"rpc func must be callable, got {type(func).__name__}")
     worker = get_worker()
-    if not on_loop(worker):
-        raise off_loop_error(worker, "rpc_async")
     args, kwargs = call_arguments("rpc", args, kwargs, timeout)
+    if not on_loop(worker):
+        started = start_threadsafe(
+            worker.loop, _in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)))
+        if started is None:
+            raise off_loop_error(worker, "rpc_async")
+        return started  # (a torch.futures.Future)
     _, reply = send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True, func)
     return reply
 

@@ -8,6 +8,7 @@ from ._options import RpcOptions as RpcOptions
 from ._options import WorkerInfo as WorkerInfo
 from ._sync import await_threadsafe as await_threadsafe
 from ._sync import run_sync as run_sync
+from ._sync import start_threadsafe as start_threadsafe
 from ._transport import PeerProtocol as PeerProtocol
 from ._worker import PeerRef as PeerRef
 from ._worker import Worker as Worker

@@ -56,6 +56,40 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], answer_with
     return _block_on(loop, start, answer_within)
 
 
+def start_threadsafe(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Future[T]]) -> Any:
+    """From a thread while ``loop`` runs elsewhere: ``start()`` on the loop, in this
+    thread's contextvars, at once; a ``torch.futures.Future`` of its outcome, as torch's
+    ``rpc_async`` returns in a remote function (``.wait()``, ``.then()``; returned by
+    the function, the call answers with its value). None when ``loop`` is not running
+    (nobody would start it; a blocking call drives it instead)."""
+    import torch
+
+    if not loop.is_running() or _running_loop() is not None:
+        return None
+    result: Any = torch.futures.Future()
+    ctx = contextvars.copy_context()
+
+    def begin() -> None:
+        try:
+            fut = ctx.run(start)
+        except BaseException as exc:  # noqa: BLE001 - the future carries it
+            result.set_exception(exc)
+            return
+
+        def done(f: asyncio.Future[T]) -> None:
+            if f.cancelled():
+                result.set_exception(asyncio.CancelledError())
+            elif (exc := f.exception()) is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(f.result())
+
+        fut.add_done_callback(done)
+
+    loop.call_soon_threadsafe(begin)
+    return result
+
+
 def await_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any],
                      answer_within: float | None) -> Any:
     """Block a thread that is not running ``loop`` until a future of it is done."""

@@ -840,3 +840,29 @@ async def test_call_arguments_that_cannot_be_meant_are_refused_at_the_call(group
 
     assert await ag.rpc_async("worker1", max, args=range(3), kwargs=types.MappingProxyType({}),
                               timeout=np.float32(5)) == 2
+
+
+def _forward_with_rpc_async(x: torch.Tensor) -> torch.Tensor:
+    """torch's idiom in a plain (not async) remote function: rpc_async, then wait."""
+    fut = ag.rpc_async("worker2", torch.mul, args=(x, 3.0))
+    return fut.wait() * 2
+
+
+def _chained_with_then(x: torch.Tensor) -> object:
+    """torch's @async_execution idiom: return the future of a chain of callbacks."""
+    return ag.rpc_async("worker2", torch.add, args=(x, 1.0)).then(lambda f: f.wait() * 10)
+
+
+async def test_rpc_async_in_a_plain_remote_function_gives_a_torch_future(group3):
+    x = torch.ones(2)
+    assert torch.equal(await ag.rpc_async("worker1", _forward_with_rpc_async, args=(x,)), torch.full((2,), 6.0))
+    assert torch.equal(await ag.rpc_async("worker1", _chained_with_then, args=(x,)), torch.full((2,), 20.0))
+    # recorded in the caller's autograd context, as from the loop: the gradient is exact
+    x = torch.ones(2, requires_grad=True)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", _forward_with_rpc_async, args=(x,))
+        await ag.autograd.backward(context_id, [y.sum()])
+        assert torch.equal(ag.autograd.get_gradients(context_id)[x], torch.full((2,), 6.0))
+    # its errors: in the torch future, raised by wait()
+    with pytest.raises(ag.RemoteError, match="TypeError on worker2: mul"):
+        await ag.rpc_async("worker1", _forward_with_rpc_async, args=("not a tensor",))
