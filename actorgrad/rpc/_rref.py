@@ -385,6 +385,7 @@ class RRef(Generic[T]):
                     "autograd context id to start a distributed backward there"
                 )
             value: Any = await self.to_here()
+            _check_backward_root(self, value)
             value.backward(retain_graph=retain_graph)
             return
         if self.is_owner():
@@ -463,7 +464,15 @@ async def _backward_here(rref: RRef[Any], context_id: int, retain_graph: bool) -
     from ..autograd import backward
 
     root: Any = await rref.to_here()  # the value itself here, once created (as torch waits)
+    _check_backward_root(rref, root)
     await backward(context_id, [root], retain_graph=retain_graph)
+
+
+def _check_backward_root(rref: RRef[Any], value: Any) -> None:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{rref!r}.backward() needs a tensor as its value, not a {type(value).__name__}")
 
 
 def _rebuild(owner: int, rref_id: RRefId, fork: ForkId | None) -> RRef[Any]:

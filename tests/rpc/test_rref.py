@@ -665,6 +665,14 @@ async def test_rref_backward_without_a_context_is_local_and_on_the_owner_only(gr
         await there.backward()
 
 
+async def test_rref_backward_of_a_value_that_is_no_tensor_says_so(group2):
+    with pytest.raises(TypeError, match="backward\\(\\) needs a tensor as its value, not a str"):
+        await ag.RRef("foo").backward()
+    async with ag.autograd.context() as context_id:
+        with pytest.raises(ag.RemoteError, match="needs a tensor as its value, not a str"):
+            await ag.remote("worker1", str, args=("foo",)).backward(context_id)
+
+
 # --------------------------------------------------------------------------------------
 # the owner's table: fork news that come before the value's creation
 
