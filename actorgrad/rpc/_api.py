@@ -404,14 +404,17 @@ def rpc_async(
         raise TypeError(f"rpc func must be callable, got {type(func).__name__}")
     worker = get_worker()
     args, kwargs = call_arguments("rpc", args, kwargs, timeout)
-    if not on_loop(worker):
-        started = start_threadsafe(
-            worker.loop, _in_callers_grad_mode(lambda: rpc_async(to, func, args, kwargs, timeout)))
-        if started is None:
-            raise off_loop_error(worker, "rpc_async")
-        return started  # (a torch.futures.Future)
-    _, reply = send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True, func)
-    return reply
+
+    def send() -> asyncio.Future[T]:
+        return send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True, func)[1]
+
+    if on_loop(worker):
+        return send()
+    # (checked once, here; the loop only sends)
+    started = start_threadsafe(worker.loop, _in_callers_grad_mode(send))
+    if started is None:
+        raise off_loop_error(worker, "rpc_async")
+    return started  # (a torch.futures.Future)
 
 
 def rpc_sync(
