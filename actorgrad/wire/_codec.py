@@ -218,6 +218,8 @@ class _Pickler(cloudpickle.Pickler):
                 if self.recording and obj.requires_grad:
                     _refuse_untracked(f"a {obj.layout} tensor".replace("torch.", ""))
                 return NotImplemented
+            if attributes := obj.__dict__:  # set by the user (t.tag = ...), as pickle keeps them
+                return (_tensor, (descriptor,), attributes, None, None, _set_attributes)
             return (_tensor, (descriptor,))
         if cls is _FunctionType or cls is type:
             if self.main_by_name and obj.__module__ == "__main__" and is_main_object(obj):
@@ -333,6 +335,12 @@ def _tensor(descriptor: bytes) -> torch.Tensor:
     if unpickler is None:
         raise ProtocolError("a tensor descriptor outside an actorgrad payload")
     return unpickler.rebuild(descriptor)
+
+
+def _set_attributes(tensor: torch.Tensor, attributes: dict[str, Any]) -> None:
+    """The attributes a sent tensor carried, on its copy (a Tensor's ``__setstate__``
+    takes torch's legacy state, not a dict)."""
+    tensor.__dict__.update(attributes)
 
 
 class _Unpickler(pickle.Unpickler):

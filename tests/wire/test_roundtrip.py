@@ -277,6 +277,23 @@ def test_parameter():
     assert received.tensors[0] is gp and received.tensors[1] is gf
 
 
+def test_attributes_set_on_tensors_travel_with_them():
+    t = torch.randn(3)
+    t.tag = "activations"
+    p = torch.nn.Parameter(torch.randn(2))
+    p.shard = {"rank": 1, "peer": t}  # a tensor among the attributes travels as one too
+    p.me = p
+    big = torch.randn(INBAND_MAX_BYTES)
+    big.tag = ("out of band", 2)
+    loaded, sent, _ = _roundtrip_payload([t, p, big, torch.ones(1)])
+    lt, lp, lbig, plain = loaded
+    assert lt.tag == "activations" and lbig.tag == ("out of band", 2)
+    assert lp.shard["rank"] == 1 and lp.shard["peer"] is lt and lp.me is lp
+    assert type(lp) is torch.nn.Parameter and torch.equal(lp.detach(), p.detach())
+    assert torch.equal(lbig, big) and plain.__dict__ == {}
+    assert len(sent.tensors) == 4
+
+
 def test_module_state():
     module = torch.nn.Linear(4, 3)
     loaded, sent, _ = _roundtrip_payload(module)
