@@ -50,6 +50,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import sys
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -115,6 +116,30 @@ def _run_backward(*call: Any) -> Any:
             return _torch_run_backward(*call)
     finally:
         calls.count -= 1
+
+
+def _unshared(results: tuple[torch.Tensor | None, ...], leaves: int) -> tuple[torch.Tensor | None, ...]:
+    """torch's results with the gradients of the job's leaves (the first ``leaves``)
+    that something else holds too cloned: a custom Function's backward or a hook may
+    return a tensor it keeps (a constant, a saved mask), which the context must not
+    store as it is, since changing the context's gradient in place (an optimizer, gradient
+    clipping) would change that tensor. torch's AccumulateGrad clones such a gradient
+    too. A gradient torch computed is referenced by the results alone; one handed to
+    several leaves unchanged is left to DistContext.accumulate, which clones it once."""
+    for i in range(leaves):
+        grad = results[i]
+        # references: the results, ``grad`` and getrefcount's argument
+        if grad is not None and sys.getrefcount(grad) > 3:
+            break
+    else:
+        return results
+    seen = collections.Counter(map(id, results))
+    held: dict[int, torch.Tensor] = {}
+    for i in range(leaves):
+        grad = results[i]
+        if grad is not None and sys.getrefcount(grad) > 2 + seen[id(grad)]:
+            held[i] = grad
+    return tuple(held[i].clone() if i in held else grad for i, grad in enumerate(results))
 
 
 T = TypeVar("T")
@@ -532,10 +557,11 @@ class EngineActor:
         tracer = self.worker.tracer
         region = plan.regions.get(key, [])
         call = (tuple(o for o, _ in pairs), tuple(g for _, g in pairs), retain, False, tuple(inputs), True, False)
+        leaves = len(plan.feeds[key].leaves)  # the first results: see _unshared
         if not suppress and not tracer.enabled:  # the common case, without context managers
 
             def compute() -> Sequence[torch.Tensor | None]:
-                return _run_backward(*call)
+                return _unshared(_run_backward(*call), leaves)
         else:
             traced = region if tracer.enabled else []
 
@@ -544,7 +570,7 @@ class EngineActor:
                     "backward job", "autograd",
                     {"context": ctx.context_id, "start": _describe_start(key), "nodes": len(region)},
                 ), _traced_nodes(tracer, traced):
-                    return _run_backward(*call)
+                    return _unshared(_run_backward(*call), leaves)
 
         small = len(region) <= _INLINE_JOB_NODES and sum(
             g.numel() * g.element_size() for _, g in pairs) <= _INLINE_JOB_BYTES and not _runs_python(region) \

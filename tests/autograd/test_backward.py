@@ -765,6 +765,42 @@ async def test_leaves_given_one_gradient_tensor_get_their_own(group2):
         torch.testing.assert_close(grads[one], k * 0.5)
 
 
+KEPT_GRADIENT = torch.tensor([1.0, 2.0, 3.0])
+
+
+class ReturnsAKeptGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return KEPT_GRADIENT
+
+
+async def test_gradients_that_user_code_keeps_are_copied_into_the_context(group2):
+    """A backward function or a hook may return a tensor it keeps; as torch's
+    AccumulateGrad does, the context stores a copy, so changing the context's gradient
+    in place (an optimizer, clipping) leaves the kept tensor alone."""
+    kept_by_hook = torch.tensor([5.0, 6.0, 7.0])
+    w, v, x = torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True), torch.rand(3, requires_grad=True)
+    v.register_hook(lambda grad: kept_by_hook)
+    async with ag.autograd.context() as context_id:
+        y = await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))
+        z = await ag.rpc_async("worker1", torch.mul, args=(v, 3.0))
+        loss = ReturnsAKeptGradient.apply(w).sum() + y.sum() + z.sum()
+        await ag.autograd.backward(context_id, [loss])
+        grads = ag.autograd.get_gradients(context_id)
+    lw, lv, lx = local_copies(w, v, x)
+    lv.register_hook(lambda grad: kept_by_hook)
+    (ReturnsAKeptGradient.apply(lw).sum() + (lx * 2.0).sum() + (lv * 3.0).sum()).backward()
+    assert_grads(grads, [(w, lw.grad), (v, lv.grad), (x, lx.grad)])
+    for grad in grads.values():
+        grad.zero_()
+    assert torch.equal(KEPT_GRADIENT, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(kept_by_hook, torch.tensor([5.0, 6.0, 7.0]))
+
+
 def sparse_lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(idx, weight, sparse=True).sum(1)
 
