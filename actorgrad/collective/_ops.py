@@ -610,9 +610,10 @@ class ArenaAllReduce(Op):
         out = flat.numpy()  # the contributions are read from the arena, so ``flat`` is free
         parts = self.arena.views(self.seq, out.dtype, out.size)
         fn = _NUMPY_OPS[self.op]
-        fn(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            fn(out, part, out=out)
+        with np.errstate(all="ignore"):  # inf and nan as torch gives them, without numpy's warnings
+            fn(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                fn(out, part, out=out)
         if self.op is ReduceOp.AVG:
             flat.div_(self.n)
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -117,6 +118,28 @@ async def test_arena_takes_over_and_matches_local_values(make_group: Any) -> Non
         want = bases[r].clone()
         want[:, 1] = sum(b[:, 1] for b in bases)
         assert torch.equal(results[r][-1], want)
+
+
+async def test_overflow_in_the_arena_gives_inf_without_numpy_warnings(make_group: Any) -> None:
+    group: InProcessGroup = await make_group(2)
+    await _warm_up(group)
+    assert all(actor(w).arenas.active(0) for w in group.workers)
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        product = torch.full((4,), 300.0, dtype=torch.float16)
+        await C.all_reduce(product, op=ReduceOp.PRODUCT)  # 90000 overflows float16
+        total = torch.tensor([3e38, 0.0]) * (rank + 1)
+        await C.all_reduce(total)
+        return [product, total]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as torch (and gloo): no warning for inf or nan
+        results = await run_all(group, body)
+    local_product = torch.full((4,), 300.0, dtype=torch.float16) * 300.0
+    local_total = torch.tensor([3e38, 0.0]) + torch.tensor([3e38, 0.0]) * 2
+    for product, total in results:
+        assert torch.equal(product, local_product) and torch.isinf(product).all()
+        assert torch.equal(total, local_total) and torch.isinf(total[0])
 
 
 async def test_more_operations_in_flight_than_slots_and_two_groups(make_group: Any) -> None:
