@@ -71,6 +71,7 @@ class PeerProtocol(asyncio.BufferedProtocol):
     # -- asyncio callbacks ----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.worker.on_connected(self)
         self.transport.set_write_buffer_limits(high=64 << 20)  # type: ignore[union-attr]
         size = self.worker.options.socket_buffer_bytes
         sock = transport.get_extra_info("socket")

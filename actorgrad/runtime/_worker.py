@@ -280,7 +280,8 @@ class Worker:
         self._server = await _tcp.listen(
             opts.listen_host, opts.listen_port,
             lambda sock: self.loop.create_server(
-                lambda: self._accept(endpoint=self._tcp_endpoint), sock=sock, ssl=opts.ssl_context, backlog=1024),
+                lambda: self._accept(endpoint=self._tcp_endpoint), sock=sock, ssl=opts.ssl_context, backlog=1024,
+                ssl_handshake_timeout=_tls_handshake_limit(opts.ssl_context, opts.init_timeout)),
         )
         listen_port = self._server.sockets[0].getsockname()[1]
         local = None
@@ -475,6 +476,7 @@ class Worker:
             _, dialed = await self.loop.create_connection(
                 lambda: self._accept(True, tcp), host, port, ssl=client_tls,
                 server_hostname=address[0] if client_tls else None,
+                ssl_handshake_timeout=_tls_handshake_limit(client_tls, self.options.init_timeout),
             )
             return dialed
 
@@ -506,11 +508,14 @@ class Worker:
     def _accept(self, initiator: bool = False, endpoint: str = "") -> PeerProtocol:
         """A protocol for a new connection; ``endpoint``: the accepting side's (the one
         dialed, or ours), which the handshake binds."""
-        proto = PeerProtocol(self, initiator, endpoint)
+        return PeerProtocol(self, initiator, endpoint)
+
+    def on_connected(self, proto: PeerProtocol) -> None:
+        """A connection is up (past TLS, if any: one whose TLS handshake fails never
+        gets here, nor to ``on_connection_lost``, so it must not be kept before)."""
         self._connections.add(proto)
         # An unauthenticated connection gets a bounded time to finish the handshake.
         proto.handshake_timer = self.loop.call_later(self.options.init_timeout, self._handshake_deadline, proto)
-        return proto
 
     def _handshake_deadline(self, proto: PeerProtocol) -> None:
         if not proto.established.done():
@@ -1250,6 +1255,12 @@ class Worker:
                     closer()
                 except Exception:
                     log.exception("%s: closing %s failed", self.name, name)
+
+
+def _tls_handshake_limit(context: Any, init_timeout: float) -> float | None:
+    """The TLS handshake gets the time the worker's own handshake gets (asyncio refuses
+    a limit without TLS)."""
+    return init_timeout if context is not None else None
 
 
 def _wait_s(until: float) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import ssl
 import subprocess
@@ -47,6 +48,26 @@ async def test_plaintext_peer_is_rejected_and_group_keeps_working(make_group, tl
     await writer.drain()
     assert await asyncio.wait_for(reader.read(), 10) is not None  # the worker closes on us
     writer.close()
+    assert await ag.rpc_async("worker1", max, args=(2, 7)) == 7
+
+
+async def test_connections_that_fail_or_stall_the_tls_handshake_are_let_go(make_group, tls_options) -> None:  # type: ignore[no-untyped-def]
+    group = await make_group(2, dataclasses.replace(tls_options, init_timeout=2.0))
+    worker = group.workers[1]
+    kept = len(worker._connections)
+    port = worker._server.sockets[0].getsockname()[1]
+    for _ in range(20):  # a port scan, a plaintext client: the TLS handshake fails
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"AGRD" + b"\x01" * 40)
+        await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert len(worker._connections) == kept
+    # clients that never start the TLS handshake are cut within init_timeout
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+    for reader, writer in idle:
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+    assert len(worker._connections) == kept
     assert await ag.rpc_async("worker1", max, args=(2, 7)) == 7
 
 
