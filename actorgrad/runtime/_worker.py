@@ -537,6 +537,13 @@ class Worker:
         if (expected is not None and expected.name != name) or waiter is None or rank in self.peers:
             proto.abort(ProtocolError(f"unexpected peer {name!r} (rank {rank})"))
             return
+        if waiter.done():
+            # that rank joined once and was lost since: without a key, anyone on the host
+            # could otherwise take its place and be served
+            proto.abort(ProtocolError(
+                f"peer {name!r} (rank {rank}) connected after that rank left the group: "
+                "a worker that left cannot rejoin"))
+            return
         proto.name, proto.rank = name, rank
         self.peers[rank] = proto
         proto.established.set_result(proto)

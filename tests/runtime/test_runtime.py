@@ -605,6 +605,26 @@ async def test_authenticated_but_unexpected_peer_gets_nothing_unpickled(make_gro
     assert tag not in UNPICKLED  # ...and must not act on what it sent
 
 
+async def test_a_lost_rank_cannot_be_taken_over(make_group):
+    """Once the group formed, a connection claiming a rank that left is refused, even
+    with the key (a keyless group would otherwise serve anyone on the host under it)."""
+    group = await make_group(3, ag.RpcOptions(auth_key=b"k"))
+    worker1 = group.workers[1]
+    await group.workers[2].shutdown(graceful=False)
+    deadline = time.monotonic() + 5
+    while 2 in worker1.peers and time.monotonic() < deadline:  # noqa: ASYNC110 - the loss is seen
+        await asyncio.sleep(0.01)
+    assert 2 not in worker1.peers
+    tag = f"rejoin-{time.monotonic()}"
+    established, closed = await handshake(
+        port_of(worker1), name="worker2", rank=2, key=b"k", after_auth=tripwire_call(tag)
+    )
+    assert established and closed is not None and closed < 2  # let in, then dropped
+    await asyncio.sleep(0.05)
+    assert tag not in UNPICKLED and 2 not in worker1.peers
+    assert await ag.rpc_async("worker1", torch.add, args=(1, 2)) == 3
+
+
 # --------------------------------------------------------------------------------------
 # hostile raw connections
 
