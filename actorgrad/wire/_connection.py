@@ -123,7 +123,7 @@ def _encode(msg: Message) -> list[bytes | bytearray | memoryview]:
     raise TypeError(f"not a wire message: {msg!r}")
 
 
-def _split_target(body: bytearray) -> tuple[str, memoryview]:
+def _split_target(body: bytearray | memoryview) -> tuple[str, memoryview]:
     if len(body) < _TARGET_LEN.size:
         raise ProtocolError("data frame too short for its target name")
     (n,) = _TARGET_LEN.unpack_from(body)

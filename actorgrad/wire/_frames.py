@@ -110,7 +110,7 @@ class Frame:
 
     kind: int
     request_id: int
-    body: bytearray
+    body: bytearray | memoryview  # a memoryview for a large body (see FrameDecoder._begin_frame)
     buffers: list[torch.Tensor]
 
 
@@ -140,7 +140,7 @@ class FrameDecoder:
         self._spilling: memoryview | None = None
         # the frame being assembled (the slow path: frames larger than what is staged)
         self._header: tuple[int, int] | None = None  # kind, request id
-        self._body = bytearray()
+        self._body: bytearray | memoryview = bytearray()
         self._buffers: list[torch.Tensor] = []
         self._targets: list[memoryview] = []  # memory of each part still to fill, in order
         self._part = 0  # index into _targets
@@ -332,7 +332,10 @@ class FrameDecoder:
             )
         self._start = start + need
         self._header = (kind, request_id)
-        self._body = bytearray(body_len)
+        # A large body's memory is taken as its bytes arrive (zero-filling a bytearray
+        # would stall the loop, for a length the bytes may never back)
+        self._body = bytearray(body_len) if body_len < _DIRECT_MIN_BYTES \
+            else allocate_buffer(body_len).numpy().data
         self._buffers = [allocate_buffer(n) for n in lengths]
         self._targets = [memoryview(self._body)]
         self._targets += [b.numpy().data for b in self._buffers]

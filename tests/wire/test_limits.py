@@ -3,6 +3,7 @@ message that names the problem; truncated input is simply incomplete."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 
@@ -154,6 +155,30 @@ def test_truncated_frame_is_not_an_error():
         conn.receive_data(data[:cut])
         assert conn.next_event() is None
         assert conn.state is State.ESTABLISHED
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc")
+def test_a_large_body_takes_memory_as_its_bytes_arrive():
+    """A header may claim a body the bytes never back: the decoder must not fill that
+    much memory before they come (zero-filling it stalled the loop for seconds)."""
+    claimed = 768 << 20
+    decoder = FrameDecoder()
+    before = _resident_bytes()
+    decoder.receive_data(raw_header(kind=Kind.RESULT, request_id=9, body_len=claimed))
+    assert decoder.next_frame() is None and decoder.in_frame
+    assert _resident_bytes() - before < 64 << 20
+    # a body of that kind, in full, still comes out as it was sent
+    body = pickle.dumps(list(range(400_000)))
+    assert len(body) > 1 << 20
+    decoder = FrameDecoder()
+    decoder.receive_data(frame(Kind.RESULT, 3, body))
+    got = decoder.next_frame()
+    assert got is not None and bytes(got.body) == body and pickle.loads(got.body) == list(range(400_000))
 
 
 # -- control frames ----------------------------------------------------------------------
