@@ -20,6 +20,7 @@ from ._loans import RETURN_TARGET as _LOANS_RETURNED
 from ._messages import DESCRIBE as _DESCRIBE
 from ._messages import PropagateGrads as _PropagateGrads
 from ._messages import ReleaseContext as _ReleaseContext
+from ._messages import ShareHeld as _ShareHeld
 from ._messages import Traverse as _Traverse
 
 
@@ -55,6 +56,7 @@ def _setup(worker: _Worker) -> None:
     worker.register(_PropagateGrads.TARGET, engine.on_propagate)
     worker.register(_PropagateGrads.DELEGATED, engine.on_delegated_propagate, tell_only=True)
     worker.register(_ReleaseContext.TARGET, contexts.on_release, tell_only=True)
+    worker.register(_ShareHeld.TARGET, contexts.on_share_held, tell_only=True)
     worker.register(_DESCRIBE, contexts.on_describe)
     worker.add_lost_listener(contexts.on_worker_lost)
     worker.register(_LOANS_RETURNED, engine.loans.on_returned, tell_only=True)

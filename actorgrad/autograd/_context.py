@@ -33,7 +33,7 @@ from ..rpc import NO_SCOPE, CallHooks
 from ..runtime import Worker, get_worker
 from ..runtime._current import on_loop
 from ..wire import Payload
-from ._messages import ReleaseContext, is_broadcast
+from ._messages import ReleaseContext, ShareHeld, is_broadcast
 from ._plan import recv_anchors
 
 ID_BITS = 48  # ids are (minting worker's rank << ID_BITS) | counter
@@ -430,6 +430,24 @@ class ContextActor(CallHooks):
         part hears of the loss too and does the same."""
         for context_id in [c for c in self.contexts if c >> ID_BITS == rank]:
             self.release(context_id, came_from=rank)
+        # A context this worker knows only through the lost one (worker0 called it, it
+        # called here): the creator's release would have come that way. Tell the
+        # creator, whose release then comes straight here.
+        me = self.worker.rank
+        for context_id, ctx in list(self.contexts.items()):
+            creator = context_id >> ID_BITS
+            if rank in ctx.peers and creator not in ctx.peers and creator != me:
+                ctx.peers.add(creator)
+                with contextlib.suppress(Exception):  # the creator is gone too: freed above
+                    self.worker.tell(creator, ShareHeld.TARGET, ShareHeld(context_id=context_id).dump())
+
+    def on_share_held(self, peer: Any, payload: Payload) -> None:
+        context_id = ShareHeld.load(payload).context_id
+        ctx = self.contexts.get(context_id)
+        if ctx is not None:
+            ctx.peers.add(peer.rank)  # released with the rest
+        else:  # left already (or never ours): the share is to go now
+            self.worker.tell(peer.rank, ReleaseContext.TARGET, ReleaseContext(context_id=context_id).dump())
 
     def on_release(self, peer: Any, payload: Payload) -> None:
         msg = ReleaseContext.load(payload)

@@ -184,3 +184,12 @@ class ReleaseContext(TupleMessage):
 
     TARGET = "autograd.release"
     context_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShareHeld(TupleMessage):
+    """To a context's creator, from a worker whose only route to it was a worker that
+    was lost: it holds a share, to be released with the rest (at once if it is gone)."""
+
+    TARGET = "autograd.share_held"
+    context_id: int

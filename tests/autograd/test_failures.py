@@ -173,6 +173,34 @@ async def test_worker_killed_two_hops_away(make_process_group):
     await wait_released(["worker0", "worker1"], timeout=5)
 
 
+def _lost_here(rank: int) -> bool:
+    return rank not in get_worker().peers
+
+
+@pytest.mark.parametrize("leave", ["after the loss was seen", "at once"])
+async def test_a_share_reached_only_through_a_lost_worker_is_released(make_process_group, leave):
+    """worker0 -> worker2 -> worker1, then worker2 dies: worker0's release can no longer
+    travel the way worker1 heard of the context. worker1 tells the creator it holds a
+    share, which is released with the rest, or at once when the context is gone."""
+    group = await make_process_group(3)
+
+    async def via_worker2(x):  # type: ignore[no-untyped-def]
+        return (await ag.rpc_async("worker1", torch.mul, args=(x, 2.0))) + 1
+
+    x = rand3()
+    async with ag.autograd.context():
+        await ag.rpc_async("worker2", via_worker2, args=(x,))
+        with torch.no_grad():  # calls that the context does not record: worker1 stays unknown here
+            assert (await debug_infos(["worker1"]))["worker1"]["num_autograd_contexts"] == 1
+            group.kill(2)
+            if leave == "after the loss was seen":
+                deadline = time.monotonic() + 10
+                while not (_lost_here(2) and await ag.rpc_async("worker1", _lost_here, args=(2,))):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+    await wait_released(["worker0", "worker1"], timeout=5)
+
+
 class SleepyBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[no-untyped-def]
