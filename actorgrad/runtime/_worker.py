@@ -177,6 +177,7 @@ class Worker:
         self._programs: dict[int, str | None] = {}  # what each peer runs (see same_program)
         self._known: dict[str | int, WorkerInfo] = {}  # names and ranks looked up so far
         self.peers: dict[int, PeerProtocol] = {}
+        self._lost_reasons: dict[int, str] = {}  # rank -> why it was lost (for later calls)
         self.closed = False
         self.shutting_down = False
         self._handlers: dict[str, Handler] = {}
@@ -908,7 +909,8 @@ class Worker:
         proto = self.peers.get(info.id)
         if proto is None or not proto.can_send:
             if proto is None or not proto.is_open:
-                raise WorkerLost(info.name, "no open connection (the worker is gone)")
+                raise WorkerLost(info.name, self._lost_reasons.get(
+                    info.id, "no open connection (the worker is gone)"))
             # its goodbye came (or it broke the protocol): its connection closes next
             raise WorkerLost(info.name, proto.left_on_error or (
                 "it shut down" if proto.leaving else "its connection broke"))
@@ -1017,6 +1019,7 @@ class Worker:
             reason = f"{reason} ({proto.left_on_error})"
         elif orderly:
             reason = f"{reason} (worker shut down)"
+        self._lost_reasons[proto.rank] = reason
         error = WorkerLost(name, reason)
         for request_id in list(proto.outstanding):
             self._pending.fail(request_id, error)

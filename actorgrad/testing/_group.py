@@ -63,6 +63,10 @@ async def follow_leader(worker: Worker, leader_alive: Callable[[], bool] = lambd
                 break
     if not worker.shutting_down and not worker.closed:
         await worker.shutdown(graceful=0 in worker.peers)
+    # a shutdown the worker started itself (ag.shutdown() in a remote function) runs
+    # on: the process must not end before it does
+    while not worker.closed and leader_alive():  # noqa: ASYNC110 - bounded by that shutdown
+        await asyncio.sleep(0.05)
 
 
 class InProcessGroup:

@@ -848,6 +848,32 @@ async def test_worker_killed_while_we_shut_down_is_reported_as_lost(make_process
     assert any("lost worker worker1" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_launched_worker_that_shuts_itself_down_serves_until_its_shutdown_ends(
+        make_process_group, auth_env):
+    """ag.shutdown(timeout=...) started by a worker of local_group itself (a remote
+    function): the worker keeps serving while it waits, and leaves when it ends (its
+    process used to end at once, cutting the shutdown off)."""
+    await start_process_group(make_process_group, 2)
+
+    async def begin_shutdown(seconds: float) -> None:
+        import asyncio
+
+        import actorgrad as ag
+
+        task = asyncio.get_running_loop().create_task(ag.shutdown(timeout=seconds))
+        begin_shutdown.task = task  # type: ignore[attr-defined]  # (held while it runs)
+
+    started = time.monotonic()
+    await ag.rpc_async("worker1", begin_shutdown, args=(3.0,))
+    await asyncio.sleep(1.0)
+    assert await ag.rpc_async("worker1", operator.add, args=(1, 2)) == 3  # still serving
+    with pytest.raises(ag.WorkerLost, match="shut down"):
+        while time.monotonic() - started < 15:
+            await ag.rpc_async("worker1", operator.add, args=(1, 2))
+            await asyncio.sleep(0.05)
+    assert time.monotonic() - started > 2.5
+
+
 @pytest.mark.slow
 async def test_killing_one_worker_leaves_the_others_serving(make_process_group, auth_env):
     group = await start_process_group(make_process_group, 3)
