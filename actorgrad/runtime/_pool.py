@@ -28,6 +28,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ._torch_modes import as_a_fresh_thread, fresh_modes
+
 _STOP = object()
 _JOIN_SECONDS = 2.0  # how long close() waits for threads to finish their last job
 _GRACE = 0.002  # seconds queued jobs may wait on busy threads before another starts
@@ -121,7 +123,11 @@ class ThreadPool:
             fn, ctx, future = job
             deliver: Callable[[asyncio.Future[Any], Any], None]
             try:
-                value = ctx.run(fn)
+                if fresh_modes():
+                    value = ctx.run(fn)
+                else:  # an earlier job left a mode set (torch.set_grad_enabled(False)):
+                    with as_a_fresh_thread():  # each job starts as a fresh thread, as inline work
+                        value = ctx.run(fn)
                 deliver = _set_result
             except BaseException as exc:  # delivered to the awaiting coroutine
                 if os.getpid() != self._pid:

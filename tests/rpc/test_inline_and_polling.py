@@ -208,6 +208,23 @@ async def test_inline_runs_see_the_grad_mode_of_a_pool_thread(group2):
     assert product.requires_grad  # the inline builtin recorded its graph, as elsewhere
 
 
+def grad_off_and_left_off(x: torch.Tensor) -> bool:
+    torch.set_grad_enabled(False)  # never restored: the pool thread keeps it
+    return True
+
+
+async def test_a_mode_one_pool_job_left_set_is_not_the_next_jobs(make_group):
+    """Every job starts as on a fresh thread, as inline work does: whether a call sees
+    what an earlier call on the same thread left set must not depend on which thread
+    (or the loop) it happens to run on."""
+    await make_group(2, ag.RpcOptions(inline_functions=False, num_worker_threads=1))
+    x = torch.ones(2)
+    assert await ag.rpc_async("worker1", grad_off_and_left_off, args=(x,))
+    assert [await ag.rpc_async("worker1", grad_mode, args=(x,)) for _ in range(3)] == [True] * 3
+    product = await ag.rpc_async("worker1", torch.mul, args=(torch.ones(2, requires_grad=True), 2))
+    assert product.requires_grad
+
+
 async def _doubled_later(x: int) -> int:
     await asyncio.sleep(0)
     return 2 * x
