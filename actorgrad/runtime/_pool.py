@@ -16,15 +16,18 @@ within ``_GRACE`` (up to ``max_threads``, as before).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import contextvars
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -101,7 +104,13 @@ class ThreadPool:
             self._said_full = False
         self._schedule_check()
 
+    def busy(self) -> bool:
+        """Whether a thread of this pool is inside a job."""
+        return any(not free and thread.is_alive() for thread, free in zip(self._threads, self._free, strict=False))
+
     def _start_thread(self) -> None:
+        if not self._threads:
+            _watch_at_exit(self)
         index = len(self._threads)
         self._free.append(True)
         thread = threading.Thread(
@@ -163,6 +172,45 @@ class ThreadPool:
         deadline = time.monotonic() + _JOIN_SECONDS
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()  # pools with threads, for _end_past_busy_threads
+_EXIT_WAIT = 1.0  # at exit, how long jobs still running get to finish
+
+
+def _watch_at_exit(pool: ThreadPool) -> None:
+    if not _pools:
+        atexit.register(_end_past_busy_threads)  # (once: a handler is called as often as registered)
+    _pools.add(pool)
+
+
+def _end_past_busy_threads() -> None:
+    """At interpreter exit, before daemon threads are stopped: a pool thread still inside
+    a job (a remote call running torch code) is stopped where it next takes the GIL, in
+    the middle of torch's C++, which aborts the process ("terminate called without an
+    active exception", status 134) in place of the uncaught exception's status (a
+    Ctrl-C, a failed ``main``). The jobs get a moment to finish; if they do not, the
+    process ends with the status Python would have given it. (After a normal end or
+    ``sys.exit(n)`` that status is not known here: left as it is.)"""
+    deadline = time.monotonic() + _EXIT_WAIT
+    while (busy := [p for p in list(_pools) if p.busy()]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not busy or uncaught is None:
+        return
+    names = sorted({p._name for p in busy})
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"actorgrad: calls still ran on the threads of {', '.join(names)} as the "
+                         "process exited; it ends without waiting for them\n")
+    logging.shutdown()  # (what the skipped exit handlers would have flushed)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if isinstance(uncaught, KeyboardInterrupt):  # killed by SIGINT, as Python ends then
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(128 + signal.SIGINT)
+    os._exit(1)
 
 
 def raised_in_pool(exc: BaseException) -> bool:

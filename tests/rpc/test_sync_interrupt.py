@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -54,3 +55,42 @@ def test_interrupts_during_rpc_sync_leave_the_group_working(tmp_path: Path, seed
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok ") == 12, proc.stdout + proc.stderr
+
+
+EXITS_WHILE_A_CALL_RUNS = textwrap.dedent('''
+    import asyncio, sys
+
+    import torch
+
+    import actorgrad as ag
+    from actorgrad.testing import free_port
+
+
+    def busy():
+        a = torch.randn(200, 200)
+        while True:
+            a = torch.tanh(a @ a)
+
+
+    async def main():
+        await ag.init_rpc("w0", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+        ag.rpc_async("w0", busy, timeout=0)
+        await asyncio.sleep(0.5)  # busy() runs on a pool thread by now
+        raise RAISED("the program fails")
+
+
+    ag.run(main())
+''')
+
+
+@pytest.mark.parametrize("raised", ["ValueError", "KeyboardInterrupt"])
+def test_a_program_that_fails_while_its_threads_run_torch_exits_with_its_status(tmp_path: Path, raised: str) -> None:
+    """A pool thread stopped inside torch's C++ at exit aborted the process (status 134,
+    "terminate called without an active exception") in place of the failure's status."""
+    script = tmp_path / "fails.py"
+    script.write_text(EXITS_WHILE_A_CALL_RUNS.replace("RAISED", raised))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == (1 if raised == "ValueError" else -signal.SIGINT), proc.stderr
+    assert f"{raised}: the program fails" in proc.stderr
+    assert "terminate called" not in proc.stderr
