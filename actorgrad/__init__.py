@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # what the names below are; at run time they load on first us
     from ._api import get_world_size as get_world_size
     from ._api import init_rpc as init_rpc
     from ._api import run as run
+    from ._api import run_sync as run_sync
     from ._api import shutdown as shutdown
     from ._api import trace as trace
     from ._errors import ActorgradError as ActorgradError
@@ -50,7 +51,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "autograd", "collective", "optim", "parallel", "rpc", "runtime", "wire")},
     **{name: ("._api", name) for name in (
         "export_trace", "get_rank", "get_worker_info", "get_world_size", "init_rpc", "run",
-        "shutdown", "trace")},
+        "run_sync", "shutdown", "trace")},
     **{name: ("._errors", name) for name in (
         "ActorgradError", "ActorgradInternalError", "AuthenticationError", "CollectiveError",
         "CollectiveRankLost", "ContextError", "ProtocolError", "RemoteError", "RendezvousTimeout",
@@ -126,6 +127,7 @@ __all__ = (
     "rpc_sync",
     "rref_debug_info",
     "run",
+    "run_sync",
     "shutdown",
     "trace",
 )

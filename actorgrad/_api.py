@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import numbers
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from .runtime import RpcOptions, Worker, WorkerInfo, _current, get_worker
+from .runtime import RpcOptions, Worker, WorkerInfo, _current, _sync, get_worker
 
 T = TypeVar("T")
 
@@ -179,6 +180,44 @@ async def _closing_workers(main: Coroutine[Any, Any, T]) -> T:
                         isinstance(failure, SystemExit) and failure.code in (None, 0)):
                     worker.set_stopped_on(failure)
                 await worker.shutdown(graceful=False)
+
+
+def run_sync(aw: Awaitable[T]) -> T:
+    """Block until ``aw`` is done: the blocking form of any awaitable of the API
+    (``autograd.backward(...)``, ``opt.step(...)``, a collective, ``shutdown()``) for
+    code that is not ``async``: a plain script, a thread, a notebook cell.
+
+    It runs on the worker's event loop in this thread's contextvars (its autograd
+    context). In a plain script, whose loop runs only while somebody drives it, this
+    thread runs the loop meanwhile and takes turns with other threads blocked in
+    ``rpc_sync`` (where ``loop.run_until_complete`` fails while one of them runs it).
+    Before ``init_rpc``: ``run_sync(ag.init_rpc(...))`` starts the worker on a new
+    event loop (uvloop where installed), made this thread's current one.
+    """
+    if not inspect.isawaitable(aw):
+        raise TypeError(f"run_sync takes an awaitable (a coroutine of the API), got {type(aw).__name__}")
+    worker = _current.maybe_worker()
+    if worker is None:
+        if _sync.running_loop() is not None:
+            _close_unawaited(aw)
+            raise RuntimeError("run_sync called inside a running event loop before init_rpc: await it instead")
+        loop = _new_event_loop()
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(aw)
+    return _sync.run_sync(worker, lambda: asyncio.ensure_future(aw))
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def _close_unawaited(aw: Any) -> None:
+    if inspect.iscoroutine(aw):
+        aw.close()  # (no "never awaited" warning on top of the error)
 
 
 class trace:  # noqa: N801 - used as `with ag.trace():`

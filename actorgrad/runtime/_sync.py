@@ -51,7 +51,7 @@ def run_sync(worker: Worker, start: Callable[[], asyncio.Future[T]], answer_with
     an RpcTimeout that says so, instead of waiting for a loop that cannot run.
     """
     loop = worker.loop
-    if _running_loop() is loop:
+    if running_loop() is loop:
         return _reenter(loop, start)
     return _block_on(loop, start, answer_within)
 
@@ -64,7 +64,7 @@ def start_threadsafe(loop: asyncio.AbstractEventLoop, start: Callable[[], asynci
     (nobody would start it; a blocking call drives it instead)."""
     import torch
 
-    if not loop.is_running() or _running_loop() is not None:
+    if not loop.is_running() or running_loop() is not None:
         return None
     result: Any = torch.futures.Future()
     ctx = contextvars.copy_context()
@@ -102,7 +102,7 @@ def _block_on(loop: asyncio.AbstractEventLoop, start: Callable[[], asyncio.Futur
     outcome, driving the loop meanwhile whenever nobody else does (see run_sync)."""
     if loop.is_closed():
         raise RuntimeError("the worker's event loop is closed")
-    can_drive = _running_loop() is None  # a thread that runs another loop cannot
+    can_drive = running_loop() is None  # a thread that runs another loop cannot
     if not can_drive and not loop.is_running():
         # nobody runs the worker's loop, and this thread cannot while it runs another:
         # refused before anything is sent
@@ -211,7 +211,8 @@ def _wait_driving(loop: asyncio.AbstractEventLoop, result: concurrent.futures.Fu
                 raise RuntimeError("the worker's event loop was closed") from None
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:

@@ -94,3 +94,71 @@ def test_a_program_that_fails_while_its_threads_run_torch_exits_with_its_status(
     assert proc.returncode == (1 if raised == "ValueError" else -signal.SIGINT), proc.stderr
     assert f"{raised}: the program fails" in proc.stderr
     assert "terminate called" not in proc.stderr
+
+
+THREAD_BESIDE_THE_TRAINING_LOOP = textwrap.dedent('''
+    import threading, time
+
+    import torch
+
+    import actorgrad as ag
+
+
+    def slow_metric(x):
+        time.sleep(0.02)
+        return x.sum()
+
+
+    def forward(x, w):
+        return torch.tanh(x @ w)
+
+
+    group = ag.run_sync(ag.local_group(2))  # before init: a loop of this thread's own
+    stop = threading.Event()
+
+
+    def metrics():  # another thread in rpc_sync, driving the loop in turns
+        while not stop.is_set():
+            ag.rpc_sync("worker1", slow_metric, args=(torch.ones(3),))
+
+
+    thread = threading.Thread(target=metrics)
+    thread.start()
+    w = torch.randn(4, 4, requires_grad=True)
+    for step in range(20):
+        x = torch.randn(4, 4)
+        with ag.autograd.context() as context_id:
+            y = ag.rpc_sync("worker1", forward, args=(x, w))
+            time.sleep(0.01)
+            ag.run_sync(ag.autograd.backward(context_id, [y.sum()]))
+            grad = ag.autograd.get_gradients(context_id)[w]
+        local_w = w.detach().clone().requires_grad_()
+        torch.tanh(x @ local_w).sum().backward()
+        torch.testing.assert_close(grad, local_w.grad)
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    ag.run_sync(group.shutdown(timeout=15))
+    print("trained", step + 1, flush=True)
+''')
+
+
+def test_run_sync_takes_turns_with_threads_in_rpc_sync(tmp_path: Path) -> None:
+    """A plain script's main thread runs backward (and starts and stops the group)
+    with run_sync while another thread calls rpc_sync: ``loop.run_until_complete``
+    failed ("This event loop is already running") whenever that thread drove the loop."""
+    script = tmp_path / "plain.py"
+    script.write_text(THREAD_BESIDE_THE_TRAINING_LOOP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trained 20" in proc.stdout, proc.stdout + proc.stderr
+
+
+async def test_run_sync_refuses_what_is_not_awaitable_and_a_running_loop() -> None:
+    import actorgrad as ag
+
+    with pytest.raises(TypeError, match="awaitable"):
+        ag.run_sync(42)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="await it instead"):
+        ag.run_sync(ag.init_rpc("w", rank=0, world_size=1))
