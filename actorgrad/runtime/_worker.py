@@ -389,16 +389,19 @@ class Worker:
         store.remove()
 
     async def _until(self, deadline: float, aw: Awaitable[Any], what: str,
-                     missing: Callable[[], list[int]] | None = None) -> Any:
+                     missing: Callable[[], list[int] | None] | None = None) -> Any:
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await aw
         except TimeoutError:
             raise self._rendezvous_timeout(what, missing() if missing is not None else []) from None
 
-    def _rendezvous_timeout(self, what: str, missing: list[int]) -> RendezvousTimeout:
+    def _rendezvous_timeout(self, what: str, missing: list[int] | None) -> RendezvousTimeout:
+        """``missing``: the ranks not there (None: unknown, the store never answered)."""
         text = f"{self.name}: timed out after {self.options.init_timeout}s waiting for {what}"
-        if missing:
+        if missing is None:
+            text += "; the rendezvous store did not answer before then (was this process stopped?)"
+        elif missing:
             names = [f"rank {r} ({self.infos[r].name})" if r in self.infos else f"rank {r}" for r in missing]
             text += f"; still missing: {', '.join(names)}"
         return RendezvousTimeout(text)
@@ -423,8 +426,11 @@ class Worker:
         answers every little while with those there so far: a roster entry of another
         group (another world size) fails at once, and a timeout names who is missing."""
         items: dict[str, str] = {}
+        answered = False
 
-        def missing() -> list[int]:
+        def missing() -> list[int] | None:
+            if not answered:  # (stopped or starved until past the deadline: nothing known)
+                return None
             there = {key[len(prefix):] for key in items}
             return [r for r in range(self.world_size) if str(r) not in there]
 
@@ -436,6 +442,7 @@ class Worker:
             items = {**items, **await self._until(
                 deadline + 2 * POLL_S, self._store.wait_prefix(prefix, self.world_size),  # type: ignore[union-attr]
                 what, missing)}
+            answered = True
             if prefix == "worker/":
                 self._check_roster(items)
             if len(items) >= self.world_size:

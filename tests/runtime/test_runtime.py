@@ -557,6 +557,22 @@ async def test_a_timeout_while_connecting_names_the_ranks_missing(spawn, monkeyp
     assert "connections to lower ranks; still missing: rank 0 (late0)" in str(second)
 
 
+async def test_a_store_that_never_answered_is_not_taken_for_ranks_missing(monkeypatch):
+    """A worker stopped (SIGSTOP) or starved past init_timeout before its first poll of
+    the store was answered named every rank, itself included, as missing."""
+    from actorgrad.runtime._rendezvous import TcpStore
+
+    async def never_answers(self, prefix, count):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(TcpStore, "wait_prefix", never_answers)
+    with pytest.raises(ag.RendezvousTimeout) as info:
+        await ag.init_rpc("alone", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
+                          options=ag.RpcOptions(init_timeout=1.0))
+    assert "the rendezvous store did not answer" in str(info.value)
+    assert "missing" not in str(info.value)
+
+
 async def test_wrong_auth_digest_is_disconnected_and_nothing_unpickled(make_group):
     group = await make_group(2, ag.RpcOptions(auth_key=b"k"))
     tag = f"wrong-key-{time.monotonic()}"
