@@ -118,6 +118,15 @@ def _run_backward(*call: Any) -> Any:
         calls.count -= 1
 
 
+def _references(results: tuple[Any, ...], i: int) -> int:
+    """References to ``results[i]`` as _unshared counts them (the results' own among them)."""
+    return sys.getrefcount(results[i])
+
+
+# ... when only the results hold it, once (measured: interpreters differ in what they count)
+_ONLY_THE_RESULTS = _references((object(),), 0)
+
+
 def _unshared(results: tuple[torch.Tensor | None, ...], leaves: int) -> tuple[torch.Tensor | None, ...]:
     """torch's results with the gradients of the job's leaves (the first ``leaves``)
     that something else holds too cloned: a custom Function's backward or a hook may
@@ -127,19 +136,14 @@ def _unshared(results: tuple[torch.Tensor | None, ...], leaves: int) -> tuple[to
     too. A gradient torch computed is referenced by the results alone; one handed to
     several leaves unchanged is left to DistContext.accumulate, which clones it once."""
     for i in range(leaves):
-        grad = results[i]
-        # references: the results, ``grad`` and getrefcount's argument
-        if grad is not None and sys.getrefcount(grad) > 3:
+        if results[i] is not None and _references(results, i) > _ONLY_THE_RESULTS:
             break
     else:
         return results
     seen = collections.Counter(map(id, results))
-    held: dict[int, torch.Tensor] = {}
-    for i in range(leaves):
-        grad = results[i]
-        if grad is not None and sys.getrefcount(grad) > 2 + seen[id(grad)]:
-            held[i] = grad
-    return tuple(held[i].clone() if i in held else grad for i, grad in enumerate(results))
+    held = [i for i in range(leaves) if results[i] is not None
+            and _references(results, i) > _ONLY_THE_RESULTS - 1 + seen[id(results[i])]]
+    return tuple(grad.clone() if i in held and grad is not None else grad for i, grad in enumerate(results))
 
 
 T = TypeVar("T")

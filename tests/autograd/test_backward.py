@@ -801,6 +801,19 @@ async def test_gradients_that_user_code_keeps_are_copied_into_the_context(group2
     assert torch.equal(kept_by_hook, torch.tensor([5.0, 6.0, 7.0]))
 
 
+def test_only_gradients_held_elsewhere_are_cloned():
+    from actorgrad.autograd._engine import _unshared
+
+    fresh, twice, kept = torch.ones(2), torch.ones(2), torch.ones(2)
+    pointers = (fresh.data_ptr(), twice.data_ptr())
+    results = (fresh, twice, twice, kept, None, torch.ones(1))
+    del fresh, twice  # as torch hands them over: the results alone hold them
+    out = _unshared(results, 5)
+    assert (out[0].data_ptr(), out[1].data_ptr()) == pointers and out[2] is out[1]  # (accumulate clones one)
+    assert out[3] is not kept and torch.equal(out[3], kept) and out[4] is None
+    assert out[5] is results[5]  # not a leaf's: left alone
+
+
 def sparse_lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(idx, weight, sparse=True).sum(1)
 
