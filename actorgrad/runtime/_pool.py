@@ -22,7 +22,6 @@ import contextvars
 import logging
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -174,43 +173,37 @@ class ThreadPool:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()  # pools with threads, for _end_past_busy_threads
-_EXIT_WAIT = 1.0  # at exit, how long jobs still running get to finish
+_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()  # pools with threads, for _let_jobs_finish
+_EXIT_WAIT = 5.0  # at exit, how long jobs still running get to finish
+_watching = [False]
 
 
 def _watch_at_exit(pool: ThreadPool) -> None:
-    if not _pools:
-        atexit.register(_end_past_busy_threads)  # (once: a handler is called as often as registered)
+    if not _watching[0]:
+        _watching[0] = True
+        atexit.register(_let_jobs_finish)  # (once: a handler runs as often as it is registered)
     _pools.add(pool)
 
 
-def _end_past_busy_threads() -> None:
-    """At interpreter exit, before daemon threads are stopped: a pool thread still inside
-    a job (a remote call running torch code) is stopped where it next takes the GIL, in
-    the middle of torch's C++, which aborts the process ("terminate called without an
-    active exception", status 134) in place of the uncaught exception's status (a
-    Ctrl-C, a failed ``main``). The jobs get a moment to finish; if they do not, the
-    process ends with the status Python would have given it. (After a normal end or
-    ``sys.exit(n)`` that status is not known here: left as it is.)"""
-    deadline = time.monotonic() + _EXIT_WAIT
-    while (busy := [p for p in list(_pools) if p.busy()]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if not busy or uncaught is None:
+def _let_jobs_finish() -> None:
+    """At interpreter exit: a pool thread still inside a job (a remote call running
+    torch code) is stopped, once exit handlers have run, where it next takes the GIL,
+    in the middle of torch's C++; that aborts the process ("terminate called without an
+    active exception", status 134) in place of the status it was ending with (a Ctrl-C,
+    a failed ``main``). The jobs get a few seconds to finish first. (Ending the process
+    here instead would skip the exit handlers registered before this one: the program's
+    own, its temporary folders'.)"""
+    busy = [p for p in list(_pools) if p.busy()]
+    if not busy:
         return
-    names = sorted({p._name for p in busy})
+    names = ", ".join(sorted({p._name for p in busy}))
     with contextlib.suppress(Exception):
-        sys.stderr.write(f"actorgrad: calls still ran on the threads of {', '.join(names)} as the "
-                         "process exited; it ends without waiting for them\n")
-    logging.shutdown()  # (what the skipped exit handlers would have flushed)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    if isinstance(uncaught, KeyboardInterrupt):  # killed by SIGINT, as Python ends then
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        os._exit(128 + signal.SIGINT)
-    os._exit(1)
+        sys.stderr.write(f"actorgrad: waiting up to {_EXIT_WAIT:g}s for the calls still running on the "
+                         f"threads of {names} before the process exits\n")
+        sys.stderr.flush()
+    deadline = time.monotonic() + _EXIT_WAIT
+    while any(p.busy() for p in busy) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def raised_in_pool(exc: BaseException) -> bool:
