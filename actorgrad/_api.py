@@ -7,6 +7,7 @@ import gc
 import inspect
 import numbers
 import os
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -201,10 +202,15 @@ def run_sync(aw: Awaitable[T]) -> T:
         if _sync.running_loop() is not None:
             _close_unawaited(aw)
             raise RuntimeError("run_sync called inside a running event loop before init_rpc: await it instead")
-        loop = _new_event_loop()
+        loop = getattr(_blocking_loops, "loop", None)
+        if loop is None or loop.is_closed():  # (one per thread, reused: each holds descriptors)
+            loop = _blocking_loops.loop = _new_event_loop()
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(aw)
     return _sync.run_sync(worker, lambda: asyncio.ensure_future(aw))
+
+
+_blocking_loops = threading.local()  # .loop: the event loop run_sync made for this thread
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

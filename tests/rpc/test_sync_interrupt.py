@@ -168,3 +168,23 @@ async def test_run_sync_refuses_what_is_not_awaitable_and_a_running_loop() -> No
     with pytest.raises(RuntimeError, match="await it instead"):
         ag.run_sync(ag.init_rpc("w", rank=0, world_size=1))
 
+
+def test_run_sync_before_init_rpc_keeps_one_loop_per_thread() -> None:
+    import asyncio
+    import threading
+
+    import actorgrad as ag
+
+    async def running_loop() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def in_a_thread() -> None:  # (a thread of its own: the test's loop stays as it is)
+        loops.extend(ag.run_sync(running_loop()) for _ in range(3))
+        loops[0].close()
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(30)
+    assert len(loops) == 3 and len({id(loop) for loop in loops}) == 1
