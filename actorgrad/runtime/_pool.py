@@ -54,6 +54,7 @@ class ThreadPool:
         self._free: list[bool] = []  # per thread: blocked waiting for a job (or about to)
         self._check: asyncio.TimerHandle | None = None
         self._closed = False
+        self._closed_at: float | None = None  # when close() began waiting for the threads
         self._said_full = False  # warned since the pool last had a free thread
         self.in_flight = 0  # jobs submitted whose result the loop has not received yet
 
@@ -161,6 +162,7 @@ class ThreadPool:
 
     def close(self) -> None:
         self._closed = True
+        self._closed_at = time.monotonic()
         if self._check is not None:
             self._check.cancel()
             self._check = None
@@ -174,7 +176,6 @@ class ThreadPool:
 
 
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()  # pools with threads, for _let_jobs_finish
-_EXIT_WAIT = 5.0  # at exit, how long jobs still running get to finish
 _watching = [False]
 
 
@@ -190,18 +191,24 @@ def _let_jobs_finish() -> None:
     torch code) is stopped, once exit handlers have run, where it next takes the GIL,
     in the middle of torch's C++; that aborts the process ("terminate called without an
     active exception", status 134) in place of the status it was ending with (a Ctrl-C,
-    a failed ``main``). The jobs get a few seconds to finish first. (Ending the process
+    a failed ``main``). The jobs get as long to finish first as closing the pool gives
+them (counted from when it began closing, if it did). (Ending the process
     here instead would skip the exit handlers registered before this one: the program's
     own, its temporary folders'.)"""
     busy = [p for p in list(_pools) if p.busy()]
     if not busy:
         return
+    # as long as closing the pool waits (which ag.run and shutdown did already): a
+    # launcher gives a rank that outlives a failed one only a few seconds
+    now = time.monotonic()
+    deadline = min((p._closed_at or now) + _JOIN_SECONDS for p in busy)
+    if deadline <= now:
+        return
     names = ", ".join(sorted({p._name for p in busy}))
     with contextlib.suppress(Exception):
-        sys.stderr.write(f"actorgrad: waiting up to {_EXIT_WAIT:g}s for the calls still running on the "
-                         f"threads of {names} before the process exits\n")
+        sys.stderr.write(f"actorgrad: waiting up to {deadline - now:.1f}s for the calls still running "
+                         f"on the threads of {names} before the process exits\n")
         sys.stderr.flush()
-    deadline = time.monotonic() + _EXIT_WAIT
     while any(p.busy() for p in busy) and time.monotonic() < deadline:
         time.sleep(0.01)
 
