@@ -143,6 +143,7 @@ class DistributedDataParallel(nn.Module):
         worker = get_worker()
         self._worker: Worker = worker
         self._loop = worker.loop
+        self._world_size = len(group.ranks) if group is not None else worker.world_size
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -405,7 +406,10 @@ class DistributedDataParallel(nn.Module):
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
             bucket.written = False
-            bucket.future = start_all_reduce(bucket.buffer, C.ReduceOp.AVG, self.group)
+            # divided first, then summed, as torch's allreduce hook does: a float16 sum of
+            # world-size gradients overflows where their average does not
+            bucket.buffer.div_(self._world_size)
+            bucket.future = start_all_reduce(bucket.buffer, C.ReduceOp.SUM, self.group)
             if not self.find_unused_parameters:  # write each bucket's grads as it lands
                 bucket.future.add_done_callback(functools.partial(self._bucket_done, bucket))
             self._next_launch += 1

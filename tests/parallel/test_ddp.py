@@ -391,6 +391,37 @@ async def test_buffers_follow_rank0(make_group: Any) -> None:
     assert b0[0].abs().sum() > 0  # the running mean moved
 
 
+class _Scaled(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(4, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.p * x).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+async def test_half_precision_gradients_near_their_range_average_as_torch(make_group: Any, dtype: torch.dtype) -> None:
+    """torch's DDP divides each bucket by the world size before summing it: their sum of
+    two float16 gradients of 40000 overflows (the range ends at 65504), their average
+    does not."""
+    group: InProcessGroup = await make_group(2)
+    inputs = [torch.full((4,), 40000.0, dtype=dtype), torch.full((4,), 30000.0, dtype=dtype)]
+
+    async def body(rank: int) -> torch.Tensor:
+        model = _Scaled(dtype)
+        ddp = await DDP.create(model)
+        await ddp.backward(ddp(inputs[rank]))
+        return model.p.grad  # type: ignore[return-value]
+
+    grads = await run_all(group, body)
+    want = sum(x.float() for x in inputs) / 2
+    for grad in grads:
+        assert grad.dtype == dtype and torch.isfinite(grad).all()
+        assert_close(grad.float(), want, rtol=1e-2, atol=0)
+    assert torch.equal(grads[0], grads[1])
+
+
 async def test_no_sync_accumulates_locally(make_group: Any) -> None:
     group: InProcessGroup = await make_group(2)
 
