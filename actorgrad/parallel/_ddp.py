@@ -46,8 +46,10 @@
   so, as a failed local backward does.
 * Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
   synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
-  ``backward`` (which is the same data: nothing changes buffers in between) and in
-  :meth:`DistributedDataParallel.sync_buffers`.
+  ``backward`` and in :meth:`DistributedDataParallel.sync_buffers`. That is the same
+  data for one forward per backward. A forward in eval mode after one in training mode
+  (which moved the running statistics) before the backward reads this rank's own
+  buffers where torch's reads rank 0's: it warns, once, to call ``sync_buffers`` first.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -174,6 +177,9 @@ class DistributedDataParallel(nn.Module):
         # where the averages go: .grad, or a distributed autograd context's gradients
         self._into: dict[torch.Tensor, torch.Tensor] | None = None
         self._armed = False  # a forward ran since the last synced backward
+        self._shares_buffers = broadcast_buffers and self._world_size > 1 and any(True for _ in module.buffers())
+        self._buffers_moved = False  # a forward in training mode ran since they were broadcast
+        self._warned_buffers = False
         self._forward_context: int | None = None  # the autograd context it ran in
         wrappers = _wrappers.setdefault(worker, [])
         wrappers[:] = [ref for ref in wrappers if ref() is not None]  # (re-wrapping drops old ones)
@@ -335,7 +341,16 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with ``find_unused_parameters`` also find the parameters the
         output does not depend on."""
+        if self._buffers_moved and not self.module.training and not self._warned_buffers:
+            self._warned_buffers = True
+            warnings.warn(
+                "a forward in eval mode after one in training mode, before the backward: its "
+                "buffers (running statistics) are this rank's own, where torch's DDP gives every "
+                "forward rank 0's; `await ddp.sync_buffers()` before it does the same",
+                stacklevel=2)
         out = self.module(*inputs, **kwargs)
+        if self.module.training and self._shares_buffers:
+            self._buffers_moved = True  # (until they are broadcast again)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._armed = True  # as torch's reducer, prepared for the next backward
             # a distributed backward in this context averages it (see _AverageInContext)
@@ -651,6 +666,7 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 self._buffers_issued = True
                 await self._broadcast(buffers)
+                self._buffers_moved = False
         if local_error is not None:
             return local_error
         if failed_ranks:
@@ -717,6 +733,7 @@ class DistributedDataParallel(nn.Module):
         buffers = list(self.module.buffers())
         if buffers:
             await self._broadcast(buffers)
+            self._buffers_moved = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -420,6 +421,38 @@ async def test_half_precision_gradients_near_their_range_average_as_torch(make_g
         assert grad.dtype == dtype and torch.isfinite(grad).all()
         assert_close(grad.float(), want, rtol=1e-2, atol=0)
     assert torch.equal(grads[0], grads[1])
+
+
+async def test_an_eval_forward_after_a_training_forward_warns_and_sync_buffers_fixes_it(
+        make_group: Any) -> None:
+    """torch broadcasts rank 0's buffers before every forward; here it happens at the end
+    of backward, so an eval forward right after a training one reads this rank's own
+    running statistics: that warns, and sync_buffers gives it rank 0's."""
+    group: InProcessGroup = await make_group(2)
+
+    async def body(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+        ddp = await DDP.create(model)
+        shard = slice(4 * rank, 4 * rank + 4)
+        await ddp.backward(ddp(X[shard]).square().mean())
+        model.eval()
+        ddp(X[:2])  # after a synced backward: nothing to say
+        model.train()
+        ddp(X[shard])  # moves this rank's running statistics
+        model.eval()
+        own = ddp(X[:2]).detach()
+        ddp(X[:2])  # (said once)
+        await ddp.sync_buffers()
+        return own, ddp(X[:2]).detach()
+
+    with warnings.catch_warnings(record=True) as caught:  # (the ranks share this process)
+        warnings.simplefilter("always")
+        (own0, synced0), (own1, synced1) = await run_all(group, body)
+    said = [str(w.message) for w in caught if "buffers" in str(w.message)]
+    assert len(said) == 2 and all("sync_buffers" in text for text in said), said  # one per rank
+    assert not torch.equal(own0, own1)  # each rank's own statistics
+    assert torch.equal(synced0, synced1) and torch.equal(synced0, own0)  # rank 0's
 
 
 async def test_no_sync_accumulates_locally(make_group: Any) -> None:
