@@ -276,4 +276,4 @@ async def export_trace(path: str) -> int:
     """
     if not isinstance(path, (str, bytes, os.PathLike)):  # (an int was taken for a file descriptor)
         raise TypeError(f"export_trace: path must be a file path, got {type(path).__name__}")
-    return await get_worker().export_trace(os.fspath(path))
+    return await get_worker().export_trace(os.fsdecode(path))

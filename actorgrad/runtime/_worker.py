@@ -23,6 +23,7 @@ import os
 import pickle
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -787,15 +788,19 @@ class Worker:
         if self.tracer.enabled:
             start = now_us()
             self.serving_label = None
-            self._serve_call_untraced(peer, msg)
-            args = {"from": peer.name, "request": msg.request_id}
+            answered = self._serve_call_untraced(peer, msg)
+            args: dict[str, Any] = {"from": peer.name, "request": msg.request_id}
             if self.serving_label is not None:
                 args["function"] = self.serving_label
+            if answered is not None:  # (else "run remote function" says, when it ends)
+                args["ok"] = answered
             self.tracer.complete(f"serve {msg.target}", "rpc", start, args)
             return
         self._serve_call_untraced(peer, msg)
 
-    def _serve_call_untraced(self, peer: PeerProtocol, msg: Call) -> None:
+    def _serve_call_untraced(self, peer: PeerProtocol, msg: Call) -> bool | None:
+        """Whether the call was answered with a result or a failure right here (None:
+        a task answers it later)."""
         handler = self._handlers.get(msg.target)
         try:
             if handler is None:
@@ -808,10 +813,11 @@ class Worker:
             self._fail_call(peer, msg.request_id, exc)
             if isinstance(exc, KeyboardInterrupt):
                 raise  # answered, and a Ctrl-C still stops this program (see _finish_call)
-            return
+            return False
         if isinstance(reply, Payload):
             self._reply(peer, msg.request_id, reply)
-        elif reply is not None:
+            return True
+        if reply is not None:
             task = self.loop.create_task(
                 self._finish_call(peer, msg.request_id, reply, self.tracer.enabled, self.serving_label),
                 context=self._context.copy(),
@@ -819,6 +825,7 @@ class Worker:
             if inspect.iscoroutine(reply):  # cancelled before it started: close it quietly
                 task.add_done_callback(functools.partial(_close_unstarted, reply))
             peer.serving[msg.request_id] = task
+        return None
 
     async def _finish_call(self, peer: PeerProtocol, request_id: int, reply: Awaitable[Payload | None],
                            traced: bool, label: str | None = None) -> None:
@@ -1087,8 +1094,13 @@ class Worker:
         half-written file. Workers that did not answer are named in a warning and in
         the file's ``otherData``."""
         target = os.path.abspath(path)  # noqa: ASYNC240 - no I/O: a string operation
-        partial = f"{target}.{os.getpid()}.partial"
-        f = open(partial, "w")  # noqa: ASYNC230, SIM115 - opened first: a bad path fails at once
+        try:  # a name of its own (two exports to one path at once), made first: a bad path fails at once
+            fd, partial = tempfile.mkstemp(dir=os.path.dirname(target),
+                                           prefix=os.path.basename(target) + ".", suffix=".partial")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"cannot write the trace to {path}: no folder {os.path.dirname(target)}") \
+                from None
+        f = open(fd, "w")  # noqa: ASYNC230, SIM115 - closed by write() or below
         writing = done = False
         try:
             events = self.tracer.snapshot()

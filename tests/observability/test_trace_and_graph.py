@@ -327,6 +327,34 @@ async def test_a_traced_call_names_its_function_and_whether_it_failed(group2, tm
     assert ("run remote function", "torch.add") in served, served
 
 
+async def test_the_callee_marks_calls_that_failed_where_it_answered_them(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with ag.trace():
+        with pytest.raises(ag.RemoteError):  # a builtin run inline, failing at once
+            await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), torch.ones(3)))
+        await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+    path = tmp_path / "t.json"
+    await ag.export_trace(str(path))
+    served = [e["args"] for e in json.loads(path.read_text())["traceEvents"]
+              if e["pid"] == 1 and e["name"] == "serve rpc.call"]
+    assert [(a["function"], a["ok"]) for a in served] == [("torch.add", False), ("torch.add", True)], served
+
+
+async def test_exports_to_one_path_at_once_and_bytes_paths(group2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # (both wrote one temporary file of the process's id: one export failed, and the
+    # file left behind could be the two interleaved)
+    with ag.trace():
+        for i in range(50):
+            await ag.rpc_async("worker1", torch.add, args=(torch.ones(2), i))
+    path = tmp_path / "t.json"
+    counts = await asyncio.gather(*(ag.export_trace(str(path)) for _ in range(3)))
+    assert len(set(counts)) == 1 and _calls(path) == 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # no partial file left
+    assert await ag.export_trace(bytes(tmp_path / "b.json")) == counts[0]
+    assert _calls(tmp_path / "b.json") == 50
+    with pytest.raises(FileNotFoundError, match="missing"):
+        await ag.export_trace(str(tmp_path / "missing" / "t.json"))
+
+
 class _FailsInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):  # type: ignore[no-untyped-def]
