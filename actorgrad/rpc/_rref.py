@@ -520,7 +520,20 @@ class _Proxy:
 
 
 def _call_method(rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    value = rref._value
+    if value is not None and not value.done():
+        # a proxy call that came before the remote() creating the value: it waits on the
+        # loop (returned, the coroutine is awaited there), not blocking a pool thread,
+        # which the creating function may need (pool threads all waiting: nothing runs)
+        return _call_method_once_created(rref, value, name, args, kwargs)
     return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+async def _call_method_once_created(rref: RRef[Any], value: asyncio.Future[Any], name: str,
+                                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    await asyncio.shield(value)  # (the value is the owner's: a caller's cancel must not cancel it)
+    # as a remote function: an `async def` method on the loop, any other on the pool
+    return await _api.run_user_function(rref._worker, getattr(value.result(), name), args, kwargs)
 
 
 def create_remote(worker: Worker, to: PeerRef, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

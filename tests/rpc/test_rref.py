@@ -908,3 +908,21 @@ async def test_a_load_failure_further_on_takes_back_nothing_of_this_call(group3)
     assert torch.equal(await ag.rpc_async("worker2", _fetch_kept), torch.arange(3.0))
     info = await wait_owner_count("worker1", base)
     assert (info["num_owner_rrefs"], info["num_forks"]) == (base, 0)
+
+
+async def test_a_proxy_call_that_comes_before_the_value_waits_without_a_thread(group2):
+    """Proxy calls that reach the owner before the remote() creating the value (from a
+    third worker, under load) each blocked a pool thread until the value existed: once
+    they held every thread, the creating function never got one, and the worker's
+    pool stayed wedged. Such a call now hands the loop something to await."""
+    import inspect
+
+    from actorgrad.rpc._rref import RRef, _call_method
+
+    worker1 = group2.workers[1]
+    value = asyncio.get_running_loop().create_future()  # (an in-process group: one loop)
+    rref = RRef._make(worker1, 1, (1, 10**9), None, value)  # the owner's, still being created
+    outcome = await asyncio.wait_for(worker1.run_blocking(lambda: _call_method(rref, "inc", (2,), {})), 5)
+    assert inspect.isawaitable(outcome)
+    value.set_result(Counter(1))
+    assert await asyncio.wait_for(outcome, 5) == 3
