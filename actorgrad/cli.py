@@ -9,7 +9,9 @@ It starts ``nproc`` copies of ``sys.executable train.py --lr 0.1``, each with
 the environment variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``ACTORGRAD_AUTH_KEY``
 and ``PYTHONUNBUFFERED=1`` (and ``OMP_NUM_THREADS=1`` unless set, as torchrun
-does).  Every output line of rank ``r`` is echoed with a ``[rank r] `` prefix (see
+does), and ``ACTORGRAD_MASTER_PORT``, the port of actorgrad's own rendezvous, so that
+``MASTER_PORT`` stays free for ``torch.distributed.init_process_group`` in the same
+script.  Every output line of rank ``r`` is echoed with a ``[rank r] `` prefix (see
 ``_rank_output``).  If any rank fails, or the launcher receives SIGINT, SIGTERM, SIGHUP
 or SIGQUIT, every rank's process group is signalled, given a grace period, and then
 killed (after a failure, the other ranks first get a few seconds to exit by themselves,
@@ -125,7 +127,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="start N local worker processes running a script",
         description=(
             "Start NPROC copies of `python SCRIPT [ARGS...]` with RANK, WORLD_SIZE, "
-            "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and "
+            "LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (free for "
+            "torch.distributed's env://), ACTORGRAD_MASTER_PORT (actorgrad's rendezvous) and "
             "ACTORGRAD_AUTH_KEY set. If any rank fails, all ranks are stopped."
         ),
     )
@@ -201,8 +204,8 @@ def _build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- #
 
 
-def _pick_free_port(addr: str) -> int:
-    """Return a port that is currently free for the rendezvous.
+def _pick_free_port(addr: str, avoid: int | None = None) -> int:
+    """Return a port that is currently free for the rendezvous (other than ``avoid``).
 
     Binds ``addr`` when possible (so the port is free where rank 0 will
     listen), falling back to ``127.0.0.1``; the port lies outside the range the
@@ -210,10 +213,14 @@ def _pick_free_port(addr: str) -> int:
     """
     last_exc: OSError | None = None
     for host in (addr, "127.0.0.1"):
-        try:
-            return pick_rendezvous_port(host)
-        except OSError as exc:
-            last_exc = exc
+        for _ in range(16):
+            try:
+                port = pick_rendezvous_port(host)
+            except OSError as exc:
+                last_exc = exc
+                break
+            if port != avoid:
+                return port
     raise OSError(f"could not find a free port: {last_exc}")
 
 
@@ -320,7 +327,7 @@ class _SignalState:
 # --------------------------------------------------------------------------- #
 
 
-def _child_env(rank: int, nproc: int, addr: str, port: int, auth_key: str) -> dict[str, str]:
+def _child_env(rank: int, nproc: int, addr: str, port: int, auth_key: str, store_port: int) -> dict[str, str]:
     """Return the environment for ``rank``."""
     env = dict(os.environ)
     env.update(
@@ -330,6 +337,7 @@ def _child_env(rank: int, nproc: int, addr: str, port: int, auth_key: str) -> di
         LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
+        ACTORGRAD_MASTER_PORT=str(store_port),
         ACTORGRAD_AUTH_KEY=auth_key,
         PYTHONUNBUFFERED="1",
     )
@@ -526,6 +534,12 @@ def launch(
         _rank_output.finish([], (out, err), lambda: False)
         return 2
 
+    try:  # the rendezvous of actorgrad's own store; MASTER_PORT stays torch.distributed's
+        store_port = _pick_free_port(master_addr, avoid=master_port)
+    except OSError as exc:
+        _say(err, str(exc))
+        _rank_output.finish([], (out, err), lambda: False)
+        return 2
     auth_key = os.environ.get("ACTORGRAD_AUTH_KEY") or secrets.token_hex(32)
     cmd = [sys.executable, *(["-m"] if module else []), script, *script_args]
 
@@ -545,7 +559,7 @@ def launch(
             for rank in range(nproc):
                 if signals.received:
                     break
-                env = _child_env(rank, nproc, master_addr, master_port, auth_key)
+                env = _child_env(rank, nproc, master_addr, master_port, auth_key, store_port)
                 ranks.append(_start_rank(rank, cmd, env, (out, err)))
         except OSError as exc:
             _say(err, f"failed to start rank {len(ranks)}: {exc}")

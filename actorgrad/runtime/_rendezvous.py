@@ -328,9 +328,13 @@ def parse_init_method(
     url = urllib.parse.urlparse(method)
     if url.scheme == "env":
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT", "set MASTER_ADDR and MASTER_PORT, or pass init_method")
+        # actorgrad launch gives our store a port of its own, leaving MASTER_PORT to
+        # torch.distributed's env:// store in the same script (torchrun's agent hosts
+        # one store that both use)
+        name = "MASTER_PORT" if torchrun_store() or not os.environ.get(OWN_PORT) else OWN_PORT
+        port = _env_int(name, "set MASTER_ADDR and MASTER_PORT, or pass init_method")
         if not 0 < port < 65536:
-            raise ValueError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+            raise ValueError(f"{name}={port} is not a TCP port (1-65535)")
         return "torch" if torchrun_store() else "tcp", host, port, rank, world_size
     if url.scheme == "tcp":
         if not url.hostname or not url.port:
@@ -341,6 +345,9 @@ def parse_init_method(
             raise ValueError(f"init_method {method!r} needs file:///path")
         return "file", url.path, 0, rank, world_size
     raise ValueError(f"unsupported init_method {method!r}: use env://, tcp://HOST:PORT or file:///path")
+
+
+OWN_PORT = "ACTORGRAD_MASTER_PORT"  # env://: the port of our store, where set (actorgrad launch)
 
 
 def _env_int(name: str, fix: str = "pass rank/world_size to init_rpc") -> int:

@@ -85,6 +85,7 @@ _WAIT_SPIN_FACTOR = 10
 _TRACE_EXPORT_UNGRACEFUL = 10.0  # most a worker stopping at once spends writing the trace
 _STORE_LINGER = 2.0  # most a rendezvous host waits at shutdown for workers still in it
 _STORE_DONE_LINGER = 10.0  # once the group formed: the most a client of the store keeps it
+_STORE_SETTLE = 2.0  # how long the store's host waits in init_rpc for the others to hang up
 # A rank listens before it publishes its address, so one that refuses connections there
 # has stopped listening (it gave up forming the group, or exited); a short grace covers
 # a connection reset mid-accept.
@@ -378,6 +379,11 @@ class Worker:
             # done with the rendezvous: hanging up tells its host (rank 0), which waits at
             # its shutdown for every worker still reading its last answer
             await self._store.close()
+            if self._store_server is not None and self._store_closing is not None:
+                # the others read their last answers from this worker's loop: a program
+                # that blocks it right after init_rpc returns (a blocking
+                # torch.distributed call) must not leave them waiting for it
+                await asyncio.wait({self._store_closing}, timeout=_STORE_SETTLE)
         self._heartbeat_task = self.loop.create_task(self._heartbeats(), context=self._context.copy())
         _current.register(self)
 

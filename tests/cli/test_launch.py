@@ -138,10 +138,11 @@ def test_three_ranks_get_distinct_ranks_and_shared_port_and_key() -> None:
         assert rep["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS", "1")  # as torchrun
         assert rep["auth_key_set"] is True
         assert rep["auth_key_len"] == 64  # secrets.token_hex(32)
-    ports = {rep["master_port"] for rep in reports.values()}
+    ports = {(rep["master_port"], rep["store_port"]) for rep in reports.values()}
     assert len(ports) == 1
-    port = ports.pop()
+    port, store_port = ports.pop()
     assert isinstance(port, str) and 1 <= int(port) <= 65535
+    assert isinstance(store_port, str) and 1 <= int(store_port) <= 65535 and store_port != port
     assert len({rep["auth_key_sha256"] for rep in reports.values()}) == 1
 
 
@@ -160,6 +161,17 @@ def test_existing_auth_key_and_explicit_port_pass_through() -> None:
     for rep in reports.values():
         assert rep["auth_key_sha256"] == expected
         assert rep["master_port"] == str(port)
+
+
+@pytest.mark.parametrize("order", ["torch-first", "actorgrad-first"])
+def test_a_script_using_torch_distributed_too_finds_both_rendezvous(order: str) -> None:
+    """As under torchrun: torch.distributed's env:// store binds MASTER_PORT, so
+    actorgrad's rendezvous has a port of its own (both bound MASTER_PORT: whichever
+    came second failed with 'Address already in use')."""
+    code, out, err = _run(["launch", "--nproc", "2", str(SCRIPTS / "with_torch_distributed.py"), order],
+                          timeout=90)
+    assert code == 0, out + err
+    assert "[rank 0] sum 3 squared 1" in out and "[rank 1] sum 3 squared 0" in out, out + err
 
 
 def test_failing_rank_stops_all_ranks(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ print(
             "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
             "master_addr": os.environ.get("MASTER_ADDR"),
             "master_port": os.environ.get("MASTER_PORT"),
+            "store_port": os.environ.get("ACTORGRAD_MASTER_PORT"),
             "unbuffered": os.environ.get("PYTHONUNBUFFERED"),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "auth_key_set": key is not None,
