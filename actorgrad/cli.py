@@ -135,6 +135,7 @@ def _build_parser() -> argparse.ArgumentParser:
     launch_p.add_argument(
         "--nproc",
         "--nproc-per-node",
+        "--nproc_per_node",
         dest="nproc",
         type=_positive_int,
         required=True,
@@ -143,12 +144,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     launch_p.add_argument(
         "--master-addr",
+        "--master_addr",
         default="127.0.0.1",
         metavar="ADDR",
         help="address of rank 0 (default: %(default)s)",
     )
     launch_p.add_argument(
         "--master-port",
+        "--master_port",
         type=_port,
         default=None,
         metavar="PORT",
@@ -180,6 +183,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default="1",
         metavar="N",
         help="accepted for torchrun compatibility: only 1 (this machine)",
+    )
+    launch_p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        default="0",
+        metavar="R",
+        help="accepted for torchrun compatibility: only 0 (this machine)",
     )
     launch_p.add_argument(
         "--standalone",
@@ -644,8 +654,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{os.path.dirname(trace_path)} does not exist", file=sys.stderr)
                 return 2
             os.environ["ACTORGRAD_TRACE"] = trace_path
-        if args.nnodes not in ("1", "1:1"):
-            print(f"{_LAUNCH}: --nnodes {args.nnodes}: the launcher starts ranks on this "
+        if args.nnodes not in ("1", "1:1") or args.node_rank != "0":
+            print(f"{_LAUNCH}: --nnodes {args.nnodes} --node-rank {args.node_rank}: the launcher starts ranks on this "
                   "machine only; on several machines start every rank with RANK, WORLD_SIZE, "
                   "MASTER_ADDR and MASTER_PORT set (README: Running across machines)", file=sys.stderr)
             return 2

@@ -224,6 +224,15 @@ def test_nproc_must_be_positive() -> None:
     assert "--nproc" in err
 
 
+def test_torchrun_spellings_of_the_options_are_taken() -> None:
+    code, out, err = _run(["launch", "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", str(SCRIPTS / "echo_argv.py"), "x"])
+    assert code == 0, err
+    assert {f"[rank {r}] ARGV {json.dumps(['x'])}" for r in range(2)} <= set(out.splitlines())
+    code, _out, err = _run(["launch", "--node-rank", "1", "--nproc-per-node", "2", str(SCRIPTS / "echo_argv.py")])
+    assert code == 2 and "this machine only" in err  # (SCRIPT was taken for "1": a missing --nproc)
+
+
 def test_version() -> None:
     code, out, _err = _run(["--version"])
     assert code == 0
