@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import numbers
 import os
+import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -157,17 +159,40 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
     A worker that ``main`` started and did not shut down is stopped (not gracefully)
     when it ends: its connections, threads and listeners go with the loop."""
+    terminated: list[bool] = []
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(_closing_workers(main))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_closing_workers(main))
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(_closing_workers(main, terminated))
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_closing_workers(main, terminated))
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        # stopped by SIGTERM (see below), its workers shut down: end as SIGTERM ends a process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
 
 
-async def _closing_workers(main: Coroutine[Any, Any, T]) -> T:
+async def _closing_workers(main: Coroutine[Any, Any, T], terminated: list[bool] | None = None) -> T:
     loop = asyncio.get_running_loop()
     before = _current.live_on(loop)  # (on a loop run again: not those of earlier code)
+    if terminated is not None and os.environ.get("ACTORGRAD_TRACE") and _on_main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # actorgrad launch --trace: the launcher stops the ranks with SIGTERM once one
+        # failed (or it was told to stop), and rank 0 writes the trace as its worker
+        # shuts down: SIGTERM cancels the program as Ctrl-C does, instead of ending it
+        task = asyncio.current_task()
+
+        def stop() -> None:
+            terminated.append(True)
+            if task is not None:
+                task.cancel()
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, stop)
     failure: BaseException | None = None
     try:
         return await main
@@ -211,6 +236,10 @@ def run_sync(aw: Awaitable[T]) -> T:
 
 
 _blocking_loops = threading.local()  # .loop: the event loop run_sync made for this thread
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

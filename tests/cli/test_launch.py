@@ -283,18 +283,21 @@ def test_hangup_and_termination_stop_all_ranks(tmp_path: Path, signum: int) -> N
         _assert_all_dead(pids)
 
 
-@pytest.mark.parametrize("ending", ["ok", "fail", "no-shutdown"])
+@pytest.mark.parametrize("ending", ["ok", "fail", "no-shutdown", "other-fails"])
 def test_trace_is_written_whole_however_the_run_ends(tmp_path: Path, ending: str) -> None:
     # (a run that failed, or whose script never shut down, wrote no trace: only a
-    # graceful shutdown exported it, and the run one wants to look at is the failed one)
+    # graceful shutdown exported it, and the run one wants to look at is the failed one;
+    # nor one whose rank 0 the launcher stopped with SIGTERM after another rank failed)
     target = tmp_path / "trace.json"
     code, _out, err = _run(["launch", "--nproc", "2", "--trace", str(target), str(SCRIPTS / "traced.py"), ending],
                            timeout=60)
-    assert code == (1 if ending == "fail" else 0), err
+    assert code == (1 if ending in ("fail", "other-fails") else 0), err
     events = json.loads(target.read_text())["traceEvents"]
     calls = [e for e in events if e["pid"] == 0 and e["name"] == "call rpc.call"]
     served = [e for e in events if e["pid"] == 1 and e["name"] == "serve rpc.call"]
-    assert len(calls) >= 3 and len(served) >= 3, (len(calls), len(served))
+    assert len(calls) >= 3, len(calls)
+    if ending != "other-fails":  # (there rank 1 is gone when rank 0 collects the trace)
+        assert len(served) >= 3, len(served)
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]  # nothing half-written beside it
 
 
