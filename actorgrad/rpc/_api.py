@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._errors import RemoteError
+from .._errors import RemoteError, WorkerLost
 from ..runtime import PeerRef, Worker, get_worker, run_sync, start_threadsafe
 from ..runtime._calls import check_timeout
 from ..runtime._current import off_loop_error, on_loop
@@ -315,7 +315,15 @@ def send_request(
     hooks = _hooks.current()
     meta = hooks.before_send(worker, dst)
     undo: list[TakeBack] = []
-    payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo, recording=meta is not None)
+    try:
+        payload = _dump_to(worker, dst, (*obj_without_meta, meta), undo, recording=meta is not None)
+    except WorkerLost as lost:
+        # an RRef among the arguments whose owner is gone (its fork cannot be registered
+        # there): the call fails where it is awaited, as a call to a worker that is gone
+        failed: asyncio.Future[Any] = worker.loop.create_future()
+        failed.set_exception(lost)
+        failed.never_sent = True  # type: ignore[attr-defined]  # (see RRef._check_not_given_up)
+        return dst, failed
     decode = (lambda reply: load_value(worker, reply, dst)) if decode_value else None
     label = function_name(label_of) if worker.tracer.enabled and label_of is not None else None
     try:

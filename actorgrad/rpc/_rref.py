@@ -335,10 +335,13 @@ class RRef(Generic[T]):
         return _api.load_value(worker, payload, src)
 
     def _check_not_given_up(self) -> None:
-        """Raise when this worker gave up on the remote() call that makes the value (its
+        """Raise when the remote() call that makes the value was never sent (an RRef
+        among its arguments whose owner is gone), or when this worker gave up on it (its
         timeout): the owner may still have made it (its loop busy, the cancel late), but
         it belongs to a call forgotten here (in an autograd context, its send is gone)."""
         creation = self._creation
+        if creation is not None and getattr(creation, "never_sent", False):
+            raise creation.exception()  # type: ignore[misc]  # (the owner never heard of it)
         if creation is not None and getattr(creation, "expired", False):
             error = creation.exception()
             raise RpcTimeout(f"the remote() call creating RRef {self._id} on {self.owner_name()} gave "
@@ -558,6 +561,9 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: tuple[Any, ...],
     except BaseException:
         table.entries.pop(rref_id, None)  # never sent: nothing will resolve or free it
         raise
+    if value is not None and reply.done() and not reply.cancelled() and reply.exception() is not None:
+        table.entries.pop(rref_id, None)  # never sent (an argument's owner is gone): never created
+        value.set_exception(reply.exception())  # type: ignore[arg-type]
     reply.add_done_callback(functools.partial(_created_or_not, worker, owner, rref_id))
     rref = RRef._make(worker, owner, rref_id, fork, value)
     if owner != worker.rank:  # the owner keeps its own value (confirmed_by_owner)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import actorgrad as ag
+from actorgrad.runtime import get_worker
 from actorgrad.wire import Payload
 
 
@@ -926,3 +927,25 @@ async def test_a_proxy_call_that_comes_before_the_value_waits_without_a_thread(g
     assert inspect.isawaitable(outcome)
     value.set_result(Counter(1))
     assert await asyncio.wait_for(outcome, 5) == 3
+
+
+async def test_an_rref_whose_owner_is_lost_fails_the_call_that_sends_it(make_process_group):
+    """Sending it registers a fork with its owner, which cannot be done: rpc_async and
+    remote() raised WorkerLost out of the call (a loop collecting futures stopped
+    halfway); their futures fail instead, and a remote() to oneself fails its value."""
+    group = await make_process_group(3)
+    rref = ag.remote("worker2", torch.ones, args=(2,))
+    assert torch.equal(await rref.to_here(), torch.ones(2))
+    group.kill(2)
+    deadline = time.monotonic() + 10
+    while 2 in get_worker().peers:  # noqa: ASYNC110 - the loss is noticed when the connection drops
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    call = ag.rpc_async("worker1", type, args=(rref,))
+    with pytest.raises(ag.WorkerLost, match="worker2"):
+        await call
+    for to in ("worker1", "worker0"):
+        made = ag.remote(to, type, args=(rref,))
+        with pytest.raises(ag.WorkerLost, match="worker2"):
+            await asyncio.wait_for(made.to_here(), 10)
+    assert await ag.rpc_async("worker1", max, args=(1, 2)) == 2
