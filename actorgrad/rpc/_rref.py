@@ -148,6 +148,8 @@ class OwnerTable:
         if len(self._failed) >= _FAILED_MAX:
             del self._failed[next(iter(self._failed))]
         self._failed[rref_id] = reason
+        if (news := self._early.pop(rref_id, None)) is not None:  # about a value that never comes
+            self._early_count -= len(news)
         if rref_id in self._awaited:
             self._give_up(rref_id, self.missing(rref_id))
 
@@ -186,6 +188,8 @@ class OwnerTable:
     def _fork_news(self, rref_id: RRefId, added: bool, fork: ForkId, holder: int | None) -> None:
         entry = self.entries.get(rref_id)
         if entry is None:
+            if rref_id in self._failed:
+                return  # never created here: nothing to count (kept, it would stay for good)
             while self._early_count >= _EARLY_MAX:  # the oldest go first
                 self._early_count -= len(self._early.pop(next(iter(self._early))))
             self._early.setdefault(rref_id, []).append((added, fork, holder))

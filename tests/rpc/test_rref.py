@@ -790,6 +790,22 @@ async def test_a_creation_the_owner_could_not_read_is_not_waited_for(group3):
     assert await ag.rpc_async("worker1", awaited_on_owner) == 0
 
 
+async def test_the_release_of_an_rref_never_created_is_not_kept(group2):
+    """Dropping the RRef of a remote() the owner could not read sends a release that
+    finds no value there: it was kept for good, as news of a value still to come."""
+    from actorgrad.rpc._rref import owner_table
+
+    table = owner_table(group2.workers[1])
+    for _ in range(5):
+        rref = ag.remote("worker1", identity, args=(Unloadable(),))
+        with pytest.raises(ag.RemoteError):
+            await rref.to_here(timeout=5)
+        del rref
+    gc.collect()
+    await ag.rpc_async("worker1", max, args=(1, 2))  # (the releases are there before it)
+    assert table._early_count == 0 and not table._early
+
+
 async def test_an_rref_does_not_outlive_its_group() -> None:
     """Ids start over in a new group: an RRef kept from the last one named another
     value there (a worker fetching it got the new group's value)."""
