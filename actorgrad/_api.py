@@ -9,7 +9,9 @@ import inspect
 import numbers
 import os
 import signal
+import sys
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -159,47 +161,74 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
     A worker that ``main`` started and did not shut down is stopped (not gracefully)
     when it ends: its connections, threads and listeners go with the loop."""
-    terminated: list[bool] = []
+    term = _Termination()
     try:
         try:
             import uvloop
         except ImportError:
-            return asyncio.run(_closing_workers(main, terminated))
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(_closing_workers(main, terminated))
-    except asyncio.CancelledError:
-        if not terminated:
-            raise
-        # stopped by SIGTERM (see below), its workers shut down: end as SIGTERM ends a process
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+            result = asyncio.run(_closing_workers(main, term))
+        else:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                result = runner.run(_closing_workers(main, term))
+    except BaseException as exc:
+        if term.signalled:
+            if not isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
+                traceback.print_exception(exc)  # the program's own failure, as Python prints it
+            _end_by_sigterm()
         raise
+    if term.signalled:
+        _end_by_sigterm()
+    return result
 
 
-async def _closing_workers(main: Coroutine[Any, Any, T], terminated: list[bool] | None = None) -> T:
+class _Termination:
+    """A SIGTERM that ``run`` took (see ``_closing_workers``)."""
+
+    __slots__ = ("main_running", "signalled")
+
+    def __init__(self) -> None:
+        self.signalled = self.main_running = False
+
+
+def _end_by_sigterm() -> None:
+    """End the process as the SIGTERM that ``run`` held back would have."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _closing_workers(main: Coroutine[Any, Any, T], term: _Termination | None = None) -> T:
     loop = asyncio.get_running_loop()
     before = _current.live_on(loop)  # (on a loop run again: not those of earlier code)
-    if terminated is not None and os.environ.get("ACTORGRAD_TRACE") and _on_main_thread() \
+    if term is not None and os.environ.get("ACTORGRAD_TRACE") and _on_main_thread() \
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         # actorgrad launch --trace: the launcher stops the ranks with SIGTERM once one
         # failed (or it was told to stop), and rank 0 writes the trace as its worker
         # shuts down: SIGTERM cancels the program as Ctrl-C does, instead of ending it
+        # (once the program is over, the shutdown that writes the trace goes on), and
+        # the process ends by SIGTERM afterwards
         task = asyncio.current_task()
 
         def stop() -> None:
-            terminated.append(True)
-            if task is not None:
+            term.signalled = True
+            if term.main_running and task is not None:
                 task.cancel()
 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, stop)
     failure: BaseException | None = None
     try:
+        if term is not None:
+            term.main_running = True
         return await main
     except BaseException as exc:
         failure = exc
         raise
     finally:
+        if term is not None:
+            term.main_running = False
         for worker in _current.live_on(loop):
             if worker not in before:
                 if failure is not None and not isinstance(failure, asyncio.CancelledError) and not (
@@ -228,8 +257,10 @@ def run_sync(aw: Awaitable[T]) -> T:
             _close_unawaited(aw)
             raise RuntimeError("run_sync called inside a running event loop before init_rpc: await it instead")
         loop = getattr(_blocking_loops, "loop", None)
-        if loop is None or loop.is_closed():  # (one per thread, reused: each holds descriptors)
+        # (one per thread, reused: each holds descriptors; a forked child makes its own)
+        if loop is None or loop.is_closed() or getattr(_blocking_loops, "pid", None) != os.getpid():
             loop = _blocking_loops.loop = _new_event_loop()
+            _blocking_loops.pid = os.getpid()
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(aw)
     return _sync.run_sync(worker, lambda: asyncio.ensure_future(aw))

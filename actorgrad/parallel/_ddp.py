@@ -47,9 +47,10 @@
 * Buffers: torch broadcasts rank 0's buffers at the start of every forward. Forward is
   synchronous here (``ddp(x)``), so the same broadcast happens at the end of every
   ``backward`` and in :meth:`DistributedDataParallel.sync_buffers`. That is the same
-  data for one forward per backward. A forward in eval mode after one in training mode
-  (which moved the running statistics) before the backward reads this rank's own
-  buffers where torch's reads rank 0's: it warns, once, to call ``sync_buffers`` first.
+  data for one forward per backward. A forward in eval mode whose buffers changed here
+  since they came from rank 0 (a forward in training mode moved the running
+  statistics, before the backward) reads this rank's own where torch's reads rank 0's:
+  it warns, once, to call ``sync_buffers`` first.
 """
 
 from __future__ import annotations
@@ -177,8 +178,11 @@ class DistributedDataParallel(nn.Module):
         # where the averages go: .grad, or a distributed autograd context's gradients
         self._into: dict[torch.Tensor, torch.Tensor] | None = None
         self._armed = False  # a forward ran since the last synced backward
-        self._shares_buffers = broadcast_buffers and self._world_size > 1 and any(True for _ in module.buffers())
-        self._buffers_moved = False  # a forward in training mode ran since they were broadcast
+        src = group.ranks[0] if group is not None else 0
+        # buffers this rank takes from rank 0 (which warns of none: they are its own)
+        self._shares_buffers = broadcast_buffers and worker.rank != src and self._world_size > 1 \
+            and any(True for _ in module.buffers())
+        self._synced_versions: tuple[int, ...] | None = None  # the buffers' versions when last received
         self._warned_buffers = False
         self._forward_context: int | None = None  # the autograd context it ran in
         wrappers = _wrappers.setdefault(worker, [])
@@ -236,7 +240,17 @@ class DistributedDataParallel(nn.Module):
         # as torch: buffers too, unless broadcast_buffers=False keeps them per rank
         tensors = list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else [])
         await ddp._broadcast(tensors)
+        ddp._buffers_received()
         return ddp
+
+    def _buffer_versions(self) -> tuple[int, ...]:
+        return tuple(b._version for b in self.module.buffers())
+
+    def _buffers_received(self) -> None:
+        """Rank 0's buffers are here: a change since (a forward in training mode moving
+        running statistics in place) shows in their versions."""
+        if self._shares_buffers:
+            self._synced_versions = self._buffer_versions()
 
     async def _check_same_model(self) -> None:
         """Every member wraps the same model with the same settings, as torch checks at
@@ -341,7 +355,8 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with ``find_unused_parameters`` also find the parameters the
         output does not depend on."""
-        if self._buffers_moved and not self.module.training and not self._warned_buffers:
+        if self._shares_buffers and not self.module.training and not self._warned_buffers \
+                and self._synced_versions is not None and self._buffer_versions() != self._synced_versions:
             self._warned_buffers = True
             warnings.warn(
                 "a forward in eval mode after one in training mode, before the backward: its "
@@ -349,8 +364,6 @@ class DistributedDataParallel(nn.Module):
                 "forward rank 0's; `await ddp.sync_buffers()` before it does the same",
                 stacklevel=2)
         out = self.module(*inputs, **kwargs)
-        if self.module.training and self._shares_buffers:
-            self._buffers_moved = True  # (until they are broadcast again)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._armed = True  # as torch's reducer, prepared for the next backward
             # a distributed backward in this context averages it (see _AverageInContext)
@@ -666,7 +679,7 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 self._buffers_issued = True
                 await self._broadcast(buffers)
-                self._buffers_moved = False
+                self._buffers_received()
         if local_error is not None:
             return local_error
         if failed_ranks:
@@ -733,7 +746,7 @@ class DistributedDataParallel(nn.Module):
         buffers = list(self.module.buffers())
         if buffers:
             await self._broadcast(buffers)
-            self._buffers_moved = False
+            self._buffers_received()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -569,6 +569,8 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: tuple[Any, ...],
         table.entries.pop(rref_id, None)  # never sent (an argument's owner is gone): never created
         value.set_exception(reply.exception())  # type: ignore[arg-type]
     reply.add_done_callback(functools.partial(_created_or_not, worker, owner, rref_id))
+    if getattr(reply, "never_sent", False):
+        fork = None  # the owner never heard of it: nothing there to release
     rref = RRef._make(worker, owner, rref_id, fork, value)
     if owner != worker.rank:  # the owner keeps its own value (confirmed_by_owner)
         rref._creation = reply

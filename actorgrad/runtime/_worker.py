@@ -383,7 +383,11 @@ class Worker:
                 # the others read their last answers from this worker's loop: a program
                 # that blocks it right after init_rpc returns (a blocking
                 # torch.distributed call) must not leave them waiting for it
-                await asyncio.wait({self._store_closing}, timeout=_STORE_SETTLE)
+                try:
+                    await asyncio.wait({self._store_closing}, timeout=_STORE_SETTLE)
+                except BaseException:  # cancelled (a timeout around init_rpc): not started
+                    await self._close_everything()
+                    raise
         self._heartbeat_task = self.loop.create_task(self._heartbeats(), context=self._context.copy())
         _current.register(self)
 
@@ -1106,6 +1110,7 @@ class Worker:
         except FileNotFoundError:
             raise FileNotFoundError(f"cannot write the trace to {path}: no folder {os.path.dirname(target)}") \
                 from None
+        os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp makes it private; open() would not)
         f = open(fd, "w")  # noqa: ASYNC230, SIM115 - closed by write() or below
         writing = done = False
         try:
@@ -1290,6 +1295,12 @@ class Worker:
                     closer()
                 except Exception:
                     log.exception("%s: closing %s failed", self.name, name)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # (read by setting it: there is no getter)
+    os.umask(mask)
+    return mask
 
 
 def _tls_handshake_limit(context: Any, init_timeout: float) -> float | None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import stat
 import sys
 import time
 
@@ -349,6 +351,9 @@ async def test_exports_to_one_path_at_once_and_bytes_paths(group2, tmp_path) -> 
     counts = await asyncio.gather(*(ag.export_trace(str(path)) for _ in range(3)))
     assert len(set(counts)) == 1 and _calls(path) == 50
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # no partial file left
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # as open() makes it, not private
     assert await ag.export_trace(bytes(tmp_path / "b.json")) == counts[0]
     assert _calls(tmp_path / "b.json") == 50
     with pytest.raises(FileNotFoundError, match="missing"):

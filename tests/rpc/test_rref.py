@@ -964,4 +964,13 @@ async def test_an_rref_whose_owner_is_lost_fails_the_call_that_sends_it(make_pro
         made = ag.remote(to, type, args=(rref,))
         with pytest.raises(ag.WorkerLost, match="worker2"):
             await asyncio.wait_for(made.to_here(), 10)
-    assert await ag.rpc_async("worker1", max, args=(1, 2)) == 2
+        del made  # (worker1 never heard of it: nothing to release there)
+    gc.collect()
+
+    def news_kept() -> int:  # runs on worker1
+        from actorgrad.rpc._rref import owner_table
+        from actorgrad.runtime import get_worker
+
+        return owner_table(get_worker())._early_count
+
+    assert await ag.rpc_async("worker1", news_kept) == 0

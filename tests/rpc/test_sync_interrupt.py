@@ -190,3 +190,77 @@ def test_run_sync_before_init_rpc_keeps_one_loop_per_thread() -> None:
     thread.start()
     thread.join(30)
     assert len(loops) == 3 and len({id(loop) for loop in loops}) == 1
+
+
+SIGTERM_UNDER_TRACE = textwrap.dedent('''
+    import asyncio, os, signal, sys, threading, time
+
+    import actorgrad as ag
+    import actorgrad.runtime._worker as worker_module
+    from actorgrad.testing import free_port
+
+    arrange = worker_module.in_lanes
+
+
+    def slow_arrange(events):  # a big trace takes seconds to arrange: SIGTERM comes meanwhile
+        time.sleep(1.5)
+        return arrange(events)
+
+
+    worker_module.in_lanes = slow_arrange
+
+
+    async def main():
+        await ag.init_rpc("w0", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+        with ag.trace():
+            await ag.rpc_async("w0", max, args=(1, 2))
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        if sys.argv[1] == "fails":
+            raise RuntimeError("the program fails")
+
+
+    ag.run(main())
+    print("not reached: the process ends by SIGTERM", flush=True)
+''')
+
+
+@pytest.mark.parametrize("ending", ["fails", "returns"])
+def test_a_sigterm_while_the_trace_is_written_lets_it_finish(tmp_path: Path, ending: str) -> None:
+    """Under actorgrad launch --trace, SIGTERM cancels the program so that rank 0 writes
+    the trace; one that came after the program ended cancelled the export itself (no
+    trace, and the program's own error unprinted), or was lost (the process went on)."""
+    script = tmp_path / "terminated.py"
+    script.write_text(SIGTERM_UNDER_TRACE)
+    trace = tmp_path / "trace.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               ACTORGRAD_TRACE=str(trace))
+    proc = subprocess.run([sys.executable, str(script), ending], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert trace.exists(), proc.stderr
+    assert ("RuntimeError: the program fails" in proc.stderr) == (ending == "fails"), proc.stderr
+    assert "not reached" not in proc.stdout
+
+
+def test_run_sync_in_a_forked_child_makes_its_own_loop(tmp_path: Path) -> None:
+    script = tmp_path / "forks.py"
+    script.write_text(textwrap.dedent('''
+        import asyncio, os
+
+        import actorgrad as ag
+
+
+        async def running_loop():
+            return asyncio.get_running_loop()
+
+
+        parents = ag.run_sync(running_loop())
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if ag.run_sync(running_loop()) is not parents else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status), flush=True)
+    '''))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "child 0" in proc.stdout, proc.stdout + proc.stderr
