@@ -348,6 +348,7 @@ def _child_env(rank: int, nproc: int, addr: str, port: int, auth_key: str, store
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
         ACTORGRAD_MASTER_PORT=str(store_port),
+        ACTORGRAD_MASTER_PORT_BESIDE=str(port),
         ACTORGRAD_AUTH_KEY=auth_key,
         PYTHONUNBUFFERED="1",
     )

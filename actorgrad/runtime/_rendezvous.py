@@ -331,7 +331,10 @@ def parse_init_method(
         # actorgrad launch gives our store a port of its own, leaving MASTER_PORT to
         # torch.distributed's env:// store in the same script (torchrun's agent hosts
         # one store that both use)
-        name = "MASTER_PORT" if torchrun_store() or not os.environ.get(OWN_PORT) else OWN_PORT
+        # (only beside the MASTER_PORT it came with: a program that sets MASTER_PORT for a
+        # group of its own, in a process the launcher started, means that port)
+        ours = os.environ.get(OWN_PORT) and os.environ.get(OWN_PORT_BESIDE) == os.environ.get("MASTER_PORT")
+        name = OWN_PORT if ours and not torchrun_store() else "MASTER_PORT"
         port = _env_int(name, "set MASTER_ADDR and MASTER_PORT, or pass init_method")
         if not 0 < port < 65536:
             raise ValueError(f"{name}={port} is not a TCP port (1-65535)")
@@ -348,6 +351,7 @@ def parse_init_method(
 
 
 OWN_PORT = "ACTORGRAD_MASTER_PORT"  # env://: the port of our store, where set (actorgrad launch)
+OWN_PORT_BESIDE = "ACTORGRAD_MASTER_PORT_BESIDE"  # ... and the MASTER_PORT set with it
 
 
 def _env_int(name: str, fix: str = "pass rank/world_size to init_rpc") -> int:

@@ -474,3 +474,19 @@ def test_output_lines_of_two_ranks_never_run_together() -> None:
     sink.message("done")
     finish([], (sink,), lambda: False)
     assert buffer.getvalue() == b"[a] step 1\n[b] line\n[a] crlf\r\ndone\n"
+
+
+def test_env_init_takes_the_launchers_store_port_only_beside_its_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    from actorgrad.runtime._rendezvous import parse_init_method
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("ACTORGRAD_MASTER_PORT", "29501")
+    monkeypatch.setenv("ACTORGRAD_MASTER_PORT_BESIDE", "29500")
+    assert parse_init_method("env://", 0, 2)[2] == 29501  # as the launcher set them
+    monkeypatch.setenv("MASTER_PORT", "31000")  # a group of the program's own, inside a rank
+    assert parse_init_method("env://", 0, 2)[2] == 31000
+    monkeypatch.delenv("ACTORGRAD_MASTER_PORT")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert parse_init_method("env://", 0, 2)[2] == 29500
