@@ -568,6 +568,7 @@ def create_remote(worker: Worker, to: PeerRef, func: Any, args: tuple[Any, ...],
     if value is not None and reply.done() and not reply.cancelled() and reply.exception() is not None:
         table.entries.pop(rref_id, None)  # never sent (an argument's owner is gone): never created
         value.set_exception(reply.exception())  # type: ignore[arg-type]
+        value.exception()  # (retrieved: its uses raise it; unused, it is no stray error)
     reply.add_done_callback(functools.partial(_created_or_not, worker, owner, rref_id))
     if getattr(reply, "never_sent", False):
         fork = None  # the owner never heard of it: nothing there to release
