@@ -246,6 +246,7 @@ class DistContext:
     peers: set[int] = field(default_factory=set)
     running_backwards: int = 0
     graph_tasks: dict[int, Any] = field(default_factory=dict)  # backward id -> GraphTask
+    passes_running: int = 0  # backward() calls of this worker on the context, not over yet
     hooked: dict[Any, Any] = field(default_factory=dict)  # stop node -> pre-hook handle
     graph_freed: bool = False  # a backward without retain_graph ran here
     failed_backward: str | None = None  # why a backward started here failed midway

@@ -1046,14 +1046,18 @@ async def backward(
     engine = engine_actor(worker)
     task = GraphTask(contexts.new_id(), mode, retain_graph)
     ctx.graph_tasks[task.backward_id] = task
+    ctx.passes_running += 1
     try:
-        await _pass(worker, engine, ctx, task, roots)
-    except BaseException:
+        try:
+            await _pass(worker, engine, ctx, task, roots)
+        except BaseException:
+            for hook in after_backward:
+                hook.failed(worker, ctx)
+            raise
         for hook in after_backward:
-            hook.failed(worker, ctx)
-        raise
-    for hook in after_backward:
-        await hook.done(worker, ctx)
+            await hook.done(worker, ctx)
+    finally:
+        ctx.passes_running -= 1
 
 
 async def _pass(worker: Worker, engine: EngineActor, ctx: DistContext, task: GraphTask,

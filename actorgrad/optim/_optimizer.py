@@ -235,7 +235,10 @@ class DistributedOptimizer:
             with pickling_for(owner):  # the RRefs go to their owner
                 # (an optimizer class of the script is the owner's own where it runs it)
                 payload = message.dump(main_by_name=worker.same_program(owner))
-            created.append(worker.call(owner, CreateOptimizer.TARGET, payload))
+            # (no rpc timeout: a first optimizer may take long to make, importing what it
+            # needs, and a creation given up would leave this optimizer failing for good;
+            # a lost owner still fails it)
+            created.append(worker.call(owner, CreateOptimizer.TARGET, payload, timeout=0))
         # every owner's optimizer, awaited by the steps until it succeeded
         self._creation: asyncio.Future[list[Payload]] | None = asyncio.gather(*created)
         self._creation.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -246,11 +249,14 @@ class DistributedOptimizer:
         Owners that took no part in the context have no gradients in it: their
         parameters stay as they are (as in torch). Every owner has answered before an
         error is raised, so no step is still running when it is; a step given up here
-        (cancelled, timed out) also returns only once the owners' steps ended.
+        (cancelled) also returns only once the owners' steps ended. The owners' steps
+        (and the making of their optimizers) are not timed out by ``rpc_timeout``: one
+        given up here would still be applied there afterwards; a lost owner fails it.
 
         Raises:
-            ContextError: ``context_id`` is not a live context of this worker, or a
-                backward in it failed midway (cancelled, a peer lost...).
+            ContextError: ``context_id`` is not a live context of this worker, a
+                backward in it failed midway (cancelled, a peer lost...), or one is
+                still running.
         """
         if self._worker.closed:
             # (its contexts are gone: the error read as if the live context did not exist)
@@ -266,14 +272,23 @@ class DistributedOptimizer:
                 "on them would update only part of the model: run the iteration again in a "
                 "new context"
             )
+        if ctx.passes_running:
+            raise ContextError(
+                f"a backward in context {context_id} is still running: its gradients are "
+                "partial until it ends (some owners have theirs, others not yet), and a step "
+                "on them would update only part of the model: await the backward first"
+            )
         if self._creation is not None:
             # shielded: a step given up here (a timeout) must not cancel the creation
             # of the owners' optimizers, which every later step needs
             await asyncio.shield(self._creation)
             self._creation = None
         message = OptStep(optimizer_id=self._id, context_id=context_id).dump()
+        # (no rpc timeout: an owner's step given up here would still be applied there
+        # afterwards, behind the caller's back; a lost owner still fails it)
         steps = asyncio.gather(
-            *(self._worker.call(o, OptStep.TARGET, message) for o in self._owners), return_exceptions=True
+            *(self._worker.call(o, OptStep.TARGET, message, timeout=0) for o in self._owners),
+            return_exceptions=True
         )
         try:
             results = await asyncio.shield(steps)

@@ -499,3 +499,52 @@ async def test_a_step_on_the_gradients_of_a_backward_that_failed_midway_is_refus
             await opt.step(context_id)
     for rref, old in zip(rrefs, before, strict=True):
         assert torch.equal(await rref.to_here(), old)
+
+
+async def test_a_step_while_the_backward_still_runs_is_refused(group3):
+    """The gradients are partial until the backward ends (one owner has its own, the
+    other not yet): a step then updated one owner and not the other, silently."""
+    rrefs = [ag.remote(f"worker{r}", make_param, args=(r,)) for r in (1, 2)]
+    before = [await r.to_here() for r in rrefs]
+    opt = ag.optim.DistributedOptimizer(torch.optim.SGD, rrefs, lr=1.0)
+    async with ag.autograd.context() as context_id:
+        parts = [await ag.rpc_async(f"worker{r}", _summed, args=(rref, r == 2))
+                 for r, rref in zip((1, 2), rrefs, strict=True)]
+        running = asyncio.ensure_future(ag.autograd.backward(context_id, [parts[0] + parts[1]]))
+        await asyncio.sleep(0.2)  # worker2's slow backward node runs
+        with pytest.raises(ag.ContextError, match="still running"):
+            await opt.step(context_id)
+        await running
+        await opt.step(context_id)  # once it ended, the whole step
+    for rref, old in zip(rrefs, before, strict=True):
+        torch.testing.assert_close(await rref.to_here(), old - 1.0)
+
+
+class _SlowerThanTheTimeout(torch.optim.SGD):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.6)  # as a first optimizer that imports what it needs
+        super().__init__(*args, **kwargs)
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        time.sleep(0.6)
+        return super().step(closure)
+
+
+async def test_owners_steps_and_optimizers_are_not_cut_off_by_the_rpc_timeout(make_group):
+    """With rpc_timeout shorter than an owner's step, the step raised RpcTimeout and was
+    applied on the owner afterwards (a retry applied it twice); a creation that took
+    longer failed every later step with that same RpcTimeout."""
+    await make_group(2, ag.RpcOptions(rpc_timeout=0.3))
+    rref = ag.remote("worker1", make_param, args=(33,))
+    before = await rref.to_here()
+    opt = ag.optim.DistributedOptimizer(_SlowerThanTheTimeout, [rref], lr=1.0)
+    x = torch.rand(3, 3)
+    for _ in range(2):
+        async with ag.autograd.context() as context_id:
+            await ag.autograd.backward(context_id, [scaled_sum(await rref.to_here(), x)])
+            await opt.step(context_id)
+    lp = clone_leaf(before)
+    for _ in range(2):
+        (grad,) = torch.autograd.grad(scaled_sum(lp, x), lp)
+        lp = clone_leaf(lp.detach() - grad)
+    torch.testing.assert_close(await rref.to_here(), lp.detach())
