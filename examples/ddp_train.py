@@ -1,6 +1,6 @@
 """Train a digit classifier with DistributedDataParallel over actorgrad.
 
-    actorgrad launch --nproc 2 examples/ddp_train.py            # 2 to 4 ranks
+    actorgrad launch --nproc 2 examples/ddp_train.py            # 2 or 4 ranks (--global-batch divides by them)
     actorgrad launch --nproc 4 examples/ddp_train.py --steps 300
 
 The data is generated, so nothing is downloaded: 8x8 grey images of the digits 0-9,

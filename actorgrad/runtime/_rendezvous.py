@@ -22,6 +22,7 @@ import time
 import urllib.parse
 from typing import Any
 
+from .._errors import RendezvousTimeout
 from . import _tcp
 
 _MAX_LINE = 1 << 16
@@ -144,8 +145,9 @@ class TcpStore:
                 return
             except OSError as exc:
                 if time.monotonic() + delay > deadline:
-                    raise TimeoutError(
-                        f"could not reach the rendezvous at {self.host}:{self.port}: {exc}"
+                    raise RendezvousTimeout(  # (a TimeoutError, as it was, and an actorgrad error)
+                        f"could not reach the rendezvous at {self.host}:{self.port}, which rank 0 "
+                        f"hosts (is it running, and past init_rpc's start?): {exc}"
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)

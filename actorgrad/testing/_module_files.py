@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -31,7 +32,7 @@ def modules_off_the_path() -> dict[str, str | None]:
         if top.startswith("__") or not isinstance(module, ModuleType):
             continue  # __main__ and its kind: each process has its own
         if top not in findable:
-            findable[top] = _findable(top)
+            findable[top] = _findable(top, sys.modules.get(top))
         file = getattr(module, "__file__", None)
         if not findable[top] and isinstance(file, str):
             files[name] = file
@@ -42,17 +43,30 @@ def modules_off_the_path() -> dict[str, str | None]:
     return files
 
 
-def _findable(top: str) -> bool:
+def _findable(top: str, loaded: Any) -> bool:
+    """Whether importing ``top`` by name finds the module this process loaded as
+    ``top`` (not another of that name: a folder ``tests`` elsewhere on the path)."""
     if top in sys.builtin_module_names:
         return True
     for finder in sys.meta_path:
         find_spec = getattr(finder, "find_spec", None)
         try:
-            if find_spec is not None and find_spec(top, None) is not None:
-                return True
+            spec = find_spec(top, None) if find_spec is not None else None
         except Exception:  # a finder of someone else's that fails: not ours to judge
             continue
+        if spec is not None:
+            return _same_place(spec, loaded)
     return False
+
+
+def _same_place(spec: Any, loaded: Any) -> bool:
+    file = getattr(loaded, "__file__", None)
+    if isinstance(file, str) and isinstance(spec.origin, str) and os.path.exists(spec.origin):
+        return os.path.realpath(file) == os.path.realpath(spec.origin)
+    mine, found = getattr(loaded, "__path__", None), spec.submodule_search_locations
+    if mine is None or found is None:
+        return True  # nothing to compare: taken as found
+    return {os.path.realpath(p) for p in mine} <= {os.path.realpath(p) for p in found}
 
 
 class ModuleFiles:

@@ -573,6 +573,14 @@ async def test_a_store_that_never_answered_is_not_taken_for_ranks_missing(monkey
     assert "missing" not in str(info.value)
 
 
+async def test_a_rendezvous_nobody_hosts_is_a_rendezvous_timeout() -> None:
+    """Rank 0 never came: the others' init_rpc raised a plain TimeoutError, neither an
+    actorgrad error nor the RendezvousTimeout the README promises."""
+    with pytest.raises(ag.RendezvousTimeout, match="could not reach the rendezvous .* rank 0 hosts"):
+        await ag.init_rpc("late1", rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{free_port()}",
+                          options=ag.RpcOptions(init_timeout=1.0))
+
+
 async def test_wrong_auth_digest_is_disconnected_and_nothing_unpickled(make_group):
     group = await make_group(2, ag.RpcOptions(auth_key=b"k"))
     tag = f"wrong-key-{time.monotonic()}"

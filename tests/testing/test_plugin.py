@@ -287,13 +287,21 @@ async def test_a_worker_process_imports_a_module_pytest_did_not_put_on_the_path(
 
 
 @pytest.mark.slow
-def test_plugin_with_pytests_importlib_import_mode(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("other_tests", [False, True])
+def test_plugin_with_pytests_importlib_import_mode(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                                   other_tests: bool) -> None:
     """Under --import-mode=importlib, pytest names test modules after their path from
-    the root folder (here not on sys.path: pytest runs from its parent)."""
+    the root folder (here not on sys.path: pytest runs from its parent). Another
+    folder named ``tests`` on the path (a stray site-packages/tests) made the workers
+    look for them there."""
     root = pytester.mkdir("project")
     root.joinpath("pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n")
     root.joinpath("tests", "sub").mkdir(parents=True)
     root.joinpath("tests", "sub", "test_deep.py").write_text(IMPORTLIB_MODE_SUITE)
+    if other_tests:
+        other = pytester.mkdir("other")
+        other.joinpath("tests").mkdir()
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(other), os.environ.get("PYTHONPATH")])))
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--import-mode=importlib", "-q", "project",
     )
