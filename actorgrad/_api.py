@@ -216,6 +216,8 @@ async def _closing_workers(main: Coroutine[Any, Any, T], term: _Termination | No
             if term.main_running and task is not None:
                 task.cancel()
 
+        # a loop that cannot take signals (not on Unix) refuses: SIGTERM ends the process
+        # at once there, as it did before
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, stop)
     failure: BaseException | None = None

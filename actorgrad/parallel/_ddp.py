@@ -178,9 +178,9 @@ class DistributedDataParallel(nn.Module):
         # where the averages go: .grad, or a distributed autograd context's gradients
         self._into: dict[torch.Tensor, torch.Tensor] | None = None
         self._armed = False  # a forward ran since the last synced backward
-        src = group.ranks[0] if group is not None else 0
+        self._src = group.ranks[0] if group is not None else 0  # whose state the others take
         # buffers this rank takes from rank 0 (which warns of none: they are its own)
-        self._shares_buffers = broadcast_buffers and worker.rank != src and self._world_size > 1 \
+        self._shares_buffers = broadcast_buffers and worker.rank != self._src and self._world_size > 1 \
             and any(True for _ in module.buffers())
         self._synced_versions: tuple[int, ...] | None = None  # the buffers' versions when last received
         self._warned_buffers = False
@@ -330,7 +330,7 @@ class DistributedDataParallel(nn.Module):
 
     def _start_broadcasts(self, tensors: list[torch.Tensor]) -> list[tuple[Any, torch.Tensor, list[torch.Tensor]]]:
         """Start broadcasting rank 0's ``tensors`` (of the group), coalesced by kind."""
-        src = (self.group.ranks if self.group is not None else (0,))[0]
+        src = self._src
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
