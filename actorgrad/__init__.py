@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what the names below are; at run time they load on first us
     from .rpc import rpc_sync as rpc_sync
     from .runtime import RpcOptions as RpcOptions
     from .runtime import WorkerInfo as WorkerInfo
+    from .testing import LocalGroup
 
 __version__ = "0.1.0"
 
@@ -74,10 +75,11 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    # the public names and the module's own dunders, not what this file imports
+    return sorted({*__all__, *_LAZY, *(name for name in globals() if name.startswith("__"))})
 
 
-async def local_group(world_size: int = 2, options: RpcOptions | None = None) -> object:
+async def local_group(world_size: int = 2, options: RpcOptions | None = None) -> LocalGroup:
     """Start ``world_size - 1`` local worker processes and join this loop as ``worker0``.
 
     For notebooks and interactive use: ``group = await ag.local_group(2)`` ... then

@@ -149,10 +149,12 @@ def get_worker_info(
 
 
 def get_rank() -> int:
+    """This worker's rank in the group (raises RuntimeError before init_rpc)."""
     return get_worker().rank
 
 
 def get_world_size() -> int:
+    """The number of workers in the group (raises RuntimeError before init_rpc)."""
     return get_worker().world_size
 
 
@@ -161,6 +163,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
     A worker that ``main`` started and did not shut down is stopped (not gracefully)
     when it ends: its connections, threads and listeners go with the loop."""
+    if not inspect.isawaitable(main):
+        called = " (call it: ag.run(main()))" if callable(main) else ""
+        raise TypeError(f"ag.run needs a coroutine, got {type(main).__name__} {main!r:.60}{called}")
     term = _Termination()
     try:
         try:

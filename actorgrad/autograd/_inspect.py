@@ -12,9 +12,9 @@ import asyncio
 import collections.abc
 import shutil
 import subprocess
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -192,7 +192,7 @@ def graph(context_id: int, roots: Sequence[torch.Tensor] = ()) -> GraphQuery:
     return GraphQuery(get_worker(), context_id, tuple(root_tensors(roots, "graph")))
 
 
-class GraphQuery(collections.abc.Coroutine):
+class GraphQuery(collections.abc.Coroutine[Any, Any, DistGraph]):
     """What :func:`graph` returns: a coroutine of the graph (await it, or make it a
     task), or, used as the graph (``graph(cid).to_dot()``), collected where blocking
     calls work (a script, a thread, Jupyter and other asyncio loops, like
@@ -208,7 +208,7 @@ class GraphQuery(collections.abc.Coroutine):
             self._running = self._collected()
         return self._running
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[Any, None, DistGraph]:
         return self._coroutine().__await__()
 
     def send(self, value: Any) -> Any:
@@ -225,6 +225,15 @@ class GraphQuery(collections.abc.Coroutine):
         if self._graph is None:
             self._graph = await _collect(self._worker, self._context_id, self._roots)
         return self._graph
+
+    if TYPE_CHECKING:  # used as the graph: DistGraph's names (served by __getattr__)
+        context_id: int
+        nodes: dict[str, dict[str, Any]]
+        edges: list[tuple[str, str, str]]
+
+        def to_dot(self) -> str: ...
+
+        def render(self, path: str, format: str = "png") -> str: ...
 
     def __getattr__(self, name: str) -> Any:
         if name not in _GRAPH_NAMES:  # e.g. asyncio asking a coroutine for cr_frame

@@ -8,11 +8,12 @@ process group (``"gloo"``, ``"nccl"``) after :func:`init_process_group`.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import operator
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 import cloudpickle
 import torch
@@ -129,6 +130,8 @@ def new_group(ranks: list[int] | tuple[int, ...] | None = None, timeout: float |
     if ranks is None:
         members = tuple(range(world_size))
     else:
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, collections.abc.Iterable):
+            raise TypeError(f"new_group: ranks must be a list of global ranks, got {ranks!r:.60}")
         members = tuple(sorted(_rank_arg(r, "ranks") for r in ranks))
         if len(set(members)) != len(members):
             raise ValueError(f"new_group: duplicate ranks in {list(ranks)}")
@@ -226,11 +229,22 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
     return work.source_rank()
 
 
+@overload
+def isend(tensor: torch.Tensor, dst: int | None = None, group: None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work: ...
+
+
+@overload
+def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work | None: ...
+
+
 def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0,
           group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to ``dst``; the returned Work is awaitable.
 
-    Do not modify ``tensor`` before the Work completed.
+    Do not modify ``tensor`` before the Work completed. Returns None (as torch does)
+    on a worker that is not a member of ``group``; with ``group=None``, always a Work.
     """
     act, g, impl = _prepare(group, "isend")
     _check_tensor(tensor, "tensor")
@@ -242,10 +256,21 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = No
     return Work(impl.send(g, tensor, dst, tag), [tensor])
 
 
+@overload
+def irecv(tensor: torch.Tensor, src: int | None = None, group: None = None,
+          tag: int = 0, group_src: int | None = None) -> Work: ...
+
+
+@overload
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
+          tag: int = 0, group_src: int | None = None) -> Work | None: ...
+
+
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None,
           tag: int = 0, group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor``; the returned Work is awaitable and its
-    ``source_rank()`` names the sender. Do not read ``tensor`` before it completed."""
+    ``source_rank()`` names the sender. Do not read ``tensor`` before it completed.
+    Returns None on a worker that is not a member of ``group`` (as torch does)."""
     act, g, impl = _prepare(group, "irecv")
     _check_tensor(tensor, "tensor")
     _check_tag(tag)

@@ -186,10 +186,12 @@ def _check_arguments(optimizer_class: Any, args: tuple[Any, ...], kwargs: dict[s
     if not callable(optimizer_class) or (
             isinstance(optimizer_class, type) and not issubclass(optimizer_class, torch.optim.Optimizer)
             and not callable(getattr(optimizer_class, "step", None))):
+        if isinstance(optimizer_class, torch.optim.Optimizer):  # (its repr lists every group)
+            got = f"a {type(optimizer_class).__name__} already made: pass its class and arguments"
+        else:
+            got = f"{optimizer_class!r:.80}"
         raise TypeError(
-            f"optimizer_class must be an optimizer class (a torch.optim.Optimizer subclass), "
-            f"got {optimizer_class!r}"
-        )
+            f"optimizer_class must be an optimizer class (a torch.optim.Optimizer subclass), got {got}")
     try:
         optimizer_class(_NoParameters(), *args, **kwargs)
     except _ReachedParameters:

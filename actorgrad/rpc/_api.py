@@ -12,8 +12,8 @@ import pickle
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
@@ -32,6 +32,9 @@ _perf_counter = time.perf_counter
 _is_grad_enabled = torch.is_grad_enabled
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from ._rref import RRef
 
 
 _INLINE_MAX_BYTES = 1 << 16
@@ -382,13 +385,46 @@ def call_arguments(what: str, args: Any, kwargs: Any, timeout: Any) -> tuple[tup
     return tuple(args), dict(kwargs)
 
 
+# What a remote function returns, as the caller receives it: an ``async def`` function's
+# (or any awaitable's) value, and a torch future's value (the ``async_execution`` idiom),
+# are awaited on the callee, so the caller gets ``T`` in every case (see the overloads).
+@overload
+def rpc_async(
+    to: PeerRef,
+    func: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> asyncio.Future[T]: ...
+
+
+@overload
+def rpc_async(
+    to: PeerRef,
+    func: Callable[..., torch.futures.Future[T]],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> asyncio.Future[T]: ...
+
+
+@overload
 def rpc_async(
     to: PeerRef,
     func: Callable[..., T],
     args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
-) -> asyncio.Future[T]:
+) -> asyncio.Future[T]: ...
+
+
+def rpc_async(
+    to: PeerRef,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> asyncio.Future[Any]:
     """Call ``func(*args, **kwargs)`` on worker ``to``; the call is sent at once.
 
     Args:
@@ -406,14 +442,17 @@ def rpc_async(
         ``.then()``, or return it to answer with its value.
 
     Raises:
-        ValueError: ``timeout`` is negative.
+        TypeError: ``func`` is not callable, ``args`` not a tuple (or list),
+            ``kwargs`` not a dict by name, ``to`` not a name, rank or WorkerInfo.
+        ValueError: ``to`` names no worker of the group; ``timeout`` is negative.
+        RuntimeError: RPC is not initialized on this process.
     """
     if not callable(func):
         raise TypeError(f"rpc func must be callable, got {type(func).__name__}")
     worker = get_worker()
     args, kwargs = call_arguments("rpc", args, kwargs, timeout)
 
-    def send() -> asyncio.Future[T]:
+    def send() -> asyncio.Future[Any]:
         return send_request(worker, to, "rpc.call", (func, args, kwargs), timeout, True, func)[1]
 
     if on_loop(worker):
@@ -425,15 +464,46 @@ def rpc_async(
     return started  # (a torch.futures.Future)
 
 
+@overload
+def rpc_sync(
+    to: PeerRef,
+    func: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> T: ...
+
+
+@overload
+def rpc_sync(
+    to: PeerRef,
+    func: Callable[..., torch.futures.Future[T]],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> T: ...
+
+
+@overload
 def rpc_sync(
     to: PeerRef,
     func: Callable[..., T],
     args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
-) -> T:
+) -> T: ...
+
+
+def rpc_sync(
+    to: PeerRef,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Any:
     """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
     calling another worker) and in Jupyter's running loop."""
+    call_arguments("rpc", args, kwargs, timeout)  # (bad arguments first, wherever it runs)
     return blocking_call(get_worker(), lambda: rpc_async(to, func, args, kwargs, timeout), timeout)
 
 
@@ -470,13 +540,43 @@ def _in_callers_grad_mode(start: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+@overload
+def remote(
+    to: PeerRef,
+    func: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> RRef[T]: ...
+
+
+@overload
+def remote(
+    to: PeerRef,
+    func: Callable[..., torch.futures.Future[T]],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> RRef[T]: ...
+
+
+@overload
 def remote(
     to: PeerRef,
     func: Callable[..., T],
     args: tuple[Any, ...] | None = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
-) -> Any:
+) -> RRef[T]: ...
+
+
+def remote(
+    to: PeerRef,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> RRef[Any]:
     """Run ``func`` on ``to`` and keep the result there; returns an RRef at once.
 
     Creation continues in the background; its failure surfaces on the next use.

@@ -278,9 +278,11 @@ class RRef(Generic[T]):
         return self._worker.resolve(self._owner)
 
     def owner_name(self) -> str:
+        """The owner's worker name."""
         return self.owner().name
 
     def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
         return self._owner == self._worker.rank
 
     def confirmed_by_owner(self) -> bool:
@@ -407,9 +409,12 @@ class RRef(Generic[T]):
         return _Proxy(self, _api.rpc_async, timeout)
 
     def rpc_sync(self, timeout: float | None = None) -> Any:
+        """``rref.rpc_sync().method(*args)``: the blocking form of :meth:`rpc_async`."""
         return _Proxy(self, _api.rpc_sync, timeout)
 
     def remote(self, timeout: float | None = None) -> Any:
+        """``rref.remote().method(*args)`` runs ``value.method`` on the owner and keeps
+        its result there: an RRef to it, at once."""
         return _Proxy(self, _api.remote, timeout)
 
     def _live_worker(self) -> Worker:

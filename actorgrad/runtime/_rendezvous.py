@@ -342,8 +342,12 @@ def parse_init_method(
             raise ValueError(f"{name}={port} is not a TCP port (1-65535)")
         return "torch" if torchrun_store() else "tcp", host, port, rank, world_size
     if url.scheme == "tcp":
-        if not url.hostname or not url.port:
+        if not url.hostname or url.port is None:
             raise ValueError(f"init_method {method!r} needs tcp://HOST:PORT")
+        if not url.port:
+            raise ValueError(
+                f"init_method {method!r}: port 0 cannot be agreed on by every rank; "
+                "pick a port (actorgrad launch and the pytest plugin pick free ones)")
         return "tcp", url.hostname, url.port, rank, world_size
     if url.scheme == "file":
         if not url.path:

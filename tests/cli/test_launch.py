@@ -476,6 +476,15 @@ def test_output_lines_of_two_ranks_never_run_together() -> None:
     assert buffer.getvalue() == b"[a] step 1\n[b] line\n[a] crlf\r\ndone\n"
 
 
+def test_a_tcp_init_method_without_a_port_one_can_meet_at_says_why() -> None:
+    from actorgrad.runtime._rendezvous import parse_init_method
+
+    with pytest.raises(ValueError, match="port 0 cannot be agreed on by every rank"):
+        parse_init_method("tcp://127.0.0.1:0", 0, 2)
+    with pytest.raises(ValueError, match="needs tcp://HOST:PORT"):
+        parse_init_method("tcp://127.0.0.1", 0, 2)
+
+
 def test_env_init_takes_the_launchers_store_port_only_beside_its_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
     from actorgrad.runtime._rendezvous import parse_init_method
 

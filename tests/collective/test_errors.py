@@ -61,6 +61,8 @@ async def test_argument_checks(make_group: object) -> None:
         C.new_group([0, 0])
     with pytest.raises(ValueError, match="out of range"):
         C.new_group([0, 9])
+    with pytest.raises(TypeError, match="new_group: ranks must be a list of global ranks, got 2"):
+        C.new_group(2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown backend"):
         await C.init_process_group(backend="mpi")
     sub = C.new_group([0])

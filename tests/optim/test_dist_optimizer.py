@@ -271,6 +271,9 @@ async def test_arguments_every_owner_would_refuse_are_refused_at_once(group2):
         ag.optim.DistributedOptimizer("SGD", [w], lr=0.1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="optimizer class .* got <class 'list'>"):
         ag.optim.DistributedOptimizer(list, [w])  # type: ignore[arg-type]
+    made = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    with pytest.raises(TypeError, match=r"got a SGD already made: pass its class and arguments$"):
+        ag.optim.DistributedOptimizer(made, [w])  # type: ignore[arg-type]
 
 
 def _not_an_optimizer(params: object, lr: float) -> dict[str, float]:

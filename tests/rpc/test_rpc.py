@@ -832,6 +832,11 @@ async def test_call_arguments_that_cannot_be_meant_are_refused_at_the_call(group
             call("worker1", torch.neg, args=(t,), timeout="5")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="timeout must be a number of seconds"):
         await ag.remote("worker1", torch.neg, args=(t,)).to_here(timeout=True)
+    # the blocking form names the bad argument too, also where it could not block
+    with pytest.raises(ValueError, match="timeout"):
+        ag.rpc_sync("worker1", torch.neg, args=(t,), timeout=-1)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        ag.rpc_sync("worker1", torch.neg, args=t)  # type: ignore[arg-type]
     assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=[t]), -t)  # a list is fine
     # any other iterable and mapping as before, numpy numbers as timeouts
     import types

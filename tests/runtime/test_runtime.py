@@ -1413,6 +1413,23 @@ def test_ag_run_stops_the_workers_its_main_left_running() -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith(("actorgrad-worker0", "actorgrad-worker1"))]
 
 
+def test_ag_run_of_a_coroutine_function_says_to_call_it() -> None:
+    async def main() -> int:
+        return 1
+
+    with pytest.raises(TypeError, match=r"ag.run needs a coroutine, got function .* \(call it: ag.run\(main\(\)\)\)"):
+        ag.run(main)  # type: ignore[arg-type]
+    assert ag.run(main()) == 1
+
+
+def test_dir_of_the_package_lists_its_public_names_only() -> None:
+    names = dir(ag)
+    assert {"rpc_async", "init_rpc", "RRef", "local_group", "__version__"} <= set(names)
+    assert set(ag.__all__) <= set(names)
+    assert not {"annotations", "importlib", "Any", "TYPE_CHECKING"} & set(names)
+    assert all(hasattr(ag, name) for name in names)
+
+
 async def test_local_group_and_export_trace_refuse_arguments_they_cannot_use():
     """local_group('2') failed after making its log folder (left behind); export_trace(5)
     wrote the trace into file descriptor 5 (the event loop's own) and closed it."""
