@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import functools
 import gc
 import hashlib
@@ -22,6 +23,7 @@ import numbers
 import os
 import pickle
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -90,6 +92,11 @@ _STORE_SETTLE = 2.0  # how long the store's host waits in init_rpc for the other
 # has stopped listening (it gave up forming the group, or exited); a short grace covers
 # a connection reset mid-accept.
 _REFUSED_GRACE_S = 1.0
+# A network that does not reach a published address (no route, host down) may be one
+# still coming up: tried again for this long, then the rank is reported unreachable.
+_UNREACHABLE_GRACE_S = 5.0
+_UNREACHABLE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
+                          errno.ETIMEDOUT})
 # A Goodbye that starts so tells the peers the error the program stopped on; the reason
 # travels in a control frame, which must stay small.
 _STOPPED_ON_ERROR = "it stopped on an error: "
@@ -487,7 +494,7 @@ class Worker:
             unix = unix_endpoint(str(local[0]))
             proto = await _local.connect(self.loop, lambda: self._accept(True, unix), *local)
         delay = 0.01
-        refused_since = None
+        refused_since = unreachable_since = None
         tcp = tcp_endpoint(address[0], address[1])
         client_tls = self.options.ssl_client_context
 
@@ -513,6 +520,20 @@ class Worker:
                         f"rank {rank} refuses connections at {address[0]}:{address[1]}, the address it "
                         "published: it stopped listening (it gave up forming the group, or exited), "
                         f"or that address does not reach it (RpcOptions.advertise_host): {exc}")) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+            except ssl.SSLError:
+                raise
+            except OSError as exc:  # no route, host down, a name that does not resolve
+                if (failed := self._failed_wait()) is not None:
+                    raise failed from None
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if exc.errno not in _UNREACHABLE or now - unreachable_since >= _UNREACHABLE_GRACE_S:
+                    raise WorkerLost(self.infos[rank].name, (
+                        f"rank {rank} cannot be reached at {address[0]}:{address[1]}, the address "
+                        f"it published ({exc}): is it an address this host reaches "
+                        "(RpcOptions.advertise_host on that rank)?")) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
         await proto.established
@@ -1036,8 +1057,10 @@ class Worker:
         name = proto.name or f"rank {proto.rank}"
         # A peer that said goodbye, or that told us it is done while we shut down, or
         # that we are closing on: an orderly end. One that vanished without either while
-        # we were shutting down crashed, and is reported like any other loss.
-        orderly = proto.leaving or self.closed or (self.shutting_down and proto.rank in self._done_from)
+        # we were shutting down crashed, and is reported like any other loss; so is one
+        # we dropped (gone silent with our calls outstanding, broke the protocol).
+        orderly = proto.leaving or self.closed or (
+            self.shutting_down and proto.rank in self._done_from and proto.lost_reason is None)
         if proto.left_on_error:  # its program failed: no orderly end, and the peer says why
             orderly = False
             reason = f"{reason} ({proto.left_on_error})"

@@ -542,6 +542,44 @@ async def test_a_rank_that_stopped_listening_is_named_soon(spawn, monkeypatch):
     assert "gone0" in str(second), second
 
 
+@pytest.mark.parametrize("lasting", [True, False], ids=["unreachable", "reachable-soon"])
+async def test_a_rank_whose_published_address_cannot_be_reached_is_named(spawn, monkeypatch, lasting):
+    """No route to a rank's published address (a wrong advertise_host on another host)
+    raised a bare OSError; a network still coming up is tried again for a while."""
+    import errno
+
+    from actorgrad.runtime import _tcp, _worker
+
+    dial = _tcp.dial
+    store_port = free_port()
+    tries: list[int] = []
+
+    async def no_route(host, port, connect):  # type: ignore[no-untyped-def]
+        if port != store_port:  # (the rendezvous store is reached)
+            tries.append(port)
+            if lasting or len(tries) <= 2:
+                raise OSError(errno.EHOSTUNREACH, "No route to host")
+        return await dial(host, port, connect)
+
+    monkeypatch.setattr(_tcp, "dial", no_route)
+    monkeypatch.setattr(_worker, "_UNREACHABLE_GRACE_S", 1.0)
+    method = f"tcp://127.0.0.1:{store_port}"
+    specs = [{"name": f"far{r}", "rank": r, "world_size": 2, "init_method": method,
+              "options": ag.RpcOptions(init_timeout=3.0 if lasting else 30.0, auth_key="k", local_sockets=False)}
+             for r in range(2)]
+    start = time.monotonic()
+    first, second = await spawn(specs, timeout=40)
+    if not lasting:
+        assert not isinstance(first, Exception) and not isinstance(second, Exception), (first, second)
+        assert len(tries) == 3
+        return
+    assert time.monotonic() - start < 10
+    assert isinstance(first, ag.RendezvousTimeout), first
+    assert isinstance(second, ag.WorkerLost), second
+    assert "rank 0 cannot be reached at 127.0.0.1:" in str(second), second
+    assert "No route to host" in str(second) and "advertise_host" in str(second), second
+
+
 async def test_a_timeout_while_connecting_names_the_ranks_missing(spawn, monkeypatch):
     async def never_connects(self, *args):  # type: ignore[no-untyped-def]
         await asyncio.sleep(3600)
@@ -1411,6 +1449,27 @@ def test_ag_run_stops_the_workers_its_main_left_running() -> None:
     assert all(w.closed for w in started)
     assert not any(w in _current._live_workers for w in started)
     assert not [t for t in threading.enumerate() if t.name.startswith(("actorgrad-worker0", "actorgrad-worker1"))]
+
+
+async def test_a_peer_dropped_while_shutting_down_is_not_called_shut_down(group2, caplog):
+    """A peer that had said it was done, then went silent with our calls outstanding
+    (cut off from the network) and was dropped: reported as a loss, not as an orderly
+    '(worker shut down)' (the reason callers elsewhere were given)."""
+    worker = group2.workers[0]
+    peer = worker.peers[1]
+    worker.shutting_down = True
+    worker._done_from.add(1)
+    try:
+        peer.abort("no message for 7.0s (heartbeat timeout)")
+        for _ in range(100):
+            if 1 in worker._lost_reasons:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        worker.shutting_down = False
+    reason = worker._lost_reasons[1]
+    assert "heartbeat timeout" in reason and "worker shut down" not in reason, reason
+    assert any("lost worker worker1" in r.getMessage() for r in caplog.records)
 
 
 def test_ag_run_of_a_coroutine_function_says_to_call_it() -> None:
