@@ -77,6 +77,7 @@ def serve_forever() -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a parent gone: nobody to tell
             os.write(1, (line + "\n").encode())
 
+    parent = os.getppid()
     children: dict[int, int] = {}  # pid -> request id
     pending = b""
     open_stdin = True
@@ -101,6 +102,9 @@ def serve_forever() -> dict[str, Any]:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 request = json.loads(line)
+                if os.getppid() != parent:  # its parent died: the request's group is gone
+                    say(f"failed {request['id']} the program that asked for it has ended")
+                    continue
                 try:
                     pid = _fork(request)
                 except OSError as exc:

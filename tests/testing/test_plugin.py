@@ -407,3 +407,24 @@ def test_a_program_that_ends_without_shutting_its_group_down_ends_the_workers(tm
     for gone in (pid, server):  # the worker, and the fork server that forked it
         with pytest.raises(ProcessLookupError):
             os.kill(int(gone), 0)
+
+
+def test_a_worker_whose_program_ended_while_the_group_formed_ends_too() -> None:
+    """A notebook kernel killed during local_group left its workers waiting for the
+    rendezvous for the whole init_timeout (a minute), and the fork server with them."""
+    import subprocess
+
+    from actorgrad.testing import free_port
+
+    parent = subprocess.Popen(["true"])
+    parent.wait()  # its pid names a program that has ended
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, ACTORGRAD_AUTH_KEY="k",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    start = time.monotonic()
+    # rank 1 of a group whose rendezvous (rank 0) never comes
+    worker = subprocess.run(
+        [sys.executable, "-m", "actorgrad.testing._serve", "1", "2", f"tcp://127.0.0.1:{free_port()}",
+         str(parent.pid)], env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 20, worker.stderr
+    assert worker.returncode == 0, worker.stderr
