@@ -61,7 +61,16 @@ import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from .._errors import ProtocolError
-from ._main_objects import class_fingerprint, fingerprint, is_main_object, main_class, main_function
+from ._main_objects import (
+    ORIGIN_ATTRIBUTE,
+    class_fingerprint,
+    fingerprint,
+    is_main_object,
+    main_class,
+    main_function,
+    note_origin,
+    origin_function,
+)
 
 INBAND_MAX_BYTES = 8 << 10  # tensors up to this size travel inside the pickle body
 
@@ -166,6 +175,15 @@ class _ReducerTable(dict[type, Any]):
 _REDUCERS = _ReducerTable(getattr(cloudpickle.Pickler, "_dispatch_table", {}))
 
 
+class _ByValue:
+    """A function to be pickled by value, past the codec's own choices for it."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func: types.FunctionType) -> None:
+        self.func = func
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle with tensors as descriptors (see the module docstring)."""
 
@@ -226,6 +244,11 @@ class _Pickler(cloudpickle.Pickler):
                 return self._by_name(obj)
             if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
                 return NotImplemented
+            if cls is _FunctionType and obj.__module__ == "__main__":  # by value, see _main_objects
+                if (token := obj.__dict__.get(ORIGIN_ATTRIBUTE)) is not None and not is_main_object(obj):
+                    return (origin_function, (token, _ByValue(obj)))  # a copy, maybe going home
+                if is_main_object(obj):
+                    note_origin(obj)
             reduced = super().reducer_override(obj)
             if reduced is NotImplemented and _BY_VALUE_MODULES is not None:
                 if len(_BY_VALUE_MODULES) != _by_value_seen[0] or len(_BY_REFERENCE) >= _BY_REFERENCE_MAX:
@@ -239,6 +262,8 @@ class _Pickler(cloudpickle.Pickler):
             return super().reducer_override(obj)
         if self.recording and issubclass(cls, _Tensor) and obj.requires_grad:
             _refuse_untracked(f"a tensor of the subclass {cls.__qualname__}")
+        if cls is _ByValue:
+            return super().reducer_override(obj.func)  # (cloudpickle's copy, as before)
         return NotImplemented  # what cloudpickle does for everything else
 
     @staticmethod

@@ -17,13 +17,22 @@ without a file, such as a notebook). To a worker that runs the same program a to
 code, and the receiver uses its own (as torch does; also a method or a nested class,
 found by its qualified name); to any other it travels by value
 (as cloudpickle sends it, what a worker process running another program needs).
+
+A function sent by value carries a token of its origin (``ORIGIN_ATTRIBUTE``), as
+cloudpickle tracks the classes it sends by value: when a copy comes back to the process
+that made it (a worker calling a notebook's function on worker0, to report to it), that
+process runs its own function, with its live globals, not the copy of them the function
+took along (which made such callbacks change nothing, in silence).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
+import os
 import sys
 import types
+import weakref
 import zlib
 from typing import Any
 
@@ -149,3 +158,25 @@ def main_class(name: str, print_: Fingerprint) -> type:
         f"class __main__.{name} came by name from a worker that runs the same program, "
         f"but this process's __main__ {problem}: define it on every worker alike, at module level"
     )
+
+
+ORIGIN_ATTRIBUTE = "__actorgrad_origin__"
+_origins: weakref.WeakValueDictionary[str, types.FunctionType] = weakref.WeakValueDictionary()
+_origin_prefix = os.urandom(8).hex()
+_origin_numbers = itertools.count()
+
+
+def note_origin(func: types.FunctionType) -> None:
+    """``func``, a top-level ``__main__`` function, is about to be sent by value: give it
+    a token that finds it here (kept on the function, so the copy carries it)."""
+    token = func.__dict__.get(ORIGIN_ATTRIBUTE)
+    if token is None or _origins.get(token) is not func:
+        token = f"{_origin_prefix}:{next(_origin_numbers)}"
+        setattr(func, ORIGIN_ATTRIBUTE, token)
+        _origins[token] = func
+
+
+def origin_function(token: str, copy: types.FunctionType) -> types.FunctionType:
+    """What a function sent by value with an origin token is rebuilt by: the original
+    where this process made it (and still has it), else the copy."""
+    return _origins.get(token, copy)

@@ -246,12 +246,32 @@ def forward_to_worker2():
     # too, although worker2 runs the same program as worker1
     return ag.rpc_sync("worker2", on_worker2)
 
+reports = []
+
+def note(value):
+    reports.append(value)
+    return len(reports)
+
+def report(value):
+    # runs on worker1: calls this program back with its copy of note, and note must
+    # run as this program's own, filling its list
+    return ag.rpc_sync("worker0", note, args=(value,))
+
+def report_through_worker2(value):
+    return ag.rpc_sync("worker2", report_to_worker0, args=(note, value))
+
+def report_to_worker0(func, value):
+    return ag.rpc_sync("worker0", func, args=(value,))
+
 async def main():
     group = await ag.local_group(3)  # workers 1 and 2 run another program: copies
     try:
         print("BY VALUE", await ag.rpc_async("worker1", add_offset, args=(1,)))
         print("SAME OBJECT HERE", await ag.rpc_async("worker0", add_offset, args=(1,)))
         print("PASSED ON", await ag.rpc_async("worker1", forward_to_worker2))
+        counts = [await ag.rpc_async("worker1", report, args=(i,)) for i in (1, 2)]
+        counts.append(await ag.rpc_async("worker1", report_through_worker2, args=(3,)))
+        print("CALLED BACK", counts, reports)
     finally:
         await group.shutdown()
 
@@ -265,6 +285,8 @@ def test_a_worker_that_runs_another_program_gets_a_copy(tmp_path):
     assert "BY VALUE 11" in out
     assert "SAME OBJECT HERE 11" in out
     assert "PASSED ON ran on worker2" in out
+    # a copy that came back ran as the program's own function (with its own list)
+    assert "CALLED BACK [1, 2, 3] [1, 2, 3]" in out
 
 
 DIFFERS = """
