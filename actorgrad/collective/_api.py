@@ -213,8 +213,10 @@ async def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None
     cancelled (into ``tensor`` then). ``irecv``'s Work keeps its receive posted.
 
     Raises:
-        CollectiveError: the message has another shape or dtype, the sender is gone, or
-            the deadline passed.
+        CollectiveError: the message has another number of elements (or, on our
+            backend, another dtype; gloo takes the bytes as they come, as torch's does),
+            the sender is gone, or the deadline passed. The same elements in another
+            shape are taken, as by torch.
     """
     work = irecv(tensor, src, group, tag, group_src)
     if work is None:
@@ -616,11 +618,14 @@ def _check_peer(r: Any, g: Group, act: CollectiveActor, name: str) -> None:
         raise ValueError(f"{name}={r} is this worker's own rank; it cannot send to or receive from itself")
 
 
+_TAG_LIMIT = 1 << 31
+
+
 def _check_tag(tag: Any) -> None:
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}")
-    if tag < 0:
-        raise ValueError(f"tag must be >= 0, got {tag}")
+    if not 0 <= tag < _TAG_LIMIT:
+        raise ValueError(f"tag must be >= 0 and < 2**31 (a C int, as torch.distributed takes it), got {tag}")
 
 
 def _check_tensor(t: Any, name: str) -> None:

@@ -63,6 +63,7 @@ class TorchBackend:
         self.timeout = datetime.timedelta(seconds=timeout if timeout > 0 else 1800.0)
         self.host = host
         self.pgs: dict[int, asyncio.Future[PG]] = {}
+        self._last_made: asyncio.Future[PG] | None = None  # the process group made last (see create_pg)
         # per group, the operations called while its pg was being made, in call order
         self._queued: dict[int, list[Callable[[], None]]] = {}
         # a thread per point-to-point operation in flight (see _launch)
@@ -77,7 +78,34 @@ class TorchBackend:
             return
         rank, size = group.ranks.index(me), len(group.ranks)
         prefix = f"actorgrad/{group.id}/"
-        self.pgs[group.id] = _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size))
+        gid = group.id
+        made: asyncio.Future[PG] = self.loop.create_future()
+        previous, self._last_made = self._last_made, made
+        self.pgs[gid] = made
+
+        def start(_: Any = None) -> None:
+            _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size)).add_done_callback(settle)
+
+        def settle(done: asyncio.Future[PG]) -> None:
+            if done.cancelled():
+                made.cancel()
+            elif (exc := done.exception()) is not None:
+                made.set_exception(exc)
+            else:
+                made.set_result(done.result())
+                if self.pgs.get(gid) is not made:  # destroyed (or the backend closed) meanwhile
+                    _shut_down(made)
+
+        # One at a time, in new_group order (the same on every rank): making one waits
+        # for the other members in the store, through the one store client, and two
+        # made at once on each rank could each wait for a key that the other rank's
+        # client, held by its wait, cannot set (every rank stuck until the timeout).
+        # A group destroyed before its turn is still made: the other members wait for
+        # this rank in it.
+        if previous is None or previous.done():
+            start()
+        else:
+            previous.add_done_callback(start)
 
     def _make_pg(self, prefix: str, rank: int, size: int) -> PG:
         store = dist.PrefixStore(prefix, self.store)

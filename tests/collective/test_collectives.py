@@ -310,6 +310,28 @@ async def test_barrier_waits_for_the_last_rank(world4: InProcessGroup) -> None:
     assert all(w >= 0.2 for r, w in enumerate(waited) if r != 2)
 
 
+async def test_many_overlapping_groups_made_in_a_row(world4: InProcessGroup) -> None:
+    """Groups made one after another, then used: on gloo their process groups were made
+    at once over one store client per rank, and could wait on each other for good."""
+    specs = [[0, 1, 2, 3], [0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2], [1, 2, 3]]
+
+    async def body(rank: int) -> list[float]:
+        sums = []
+        for _ in range(3):
+            groups = [(C.new_group(members), members) for members in specs]
+            for group, members in groups:
+                if rank in members:
+                    t = torch.tensor([float(rank)])
+                    await C.all_reduce(t, group=group)
+                    sums.append(t.item())
+        return sums
+
+    results = await run_all(world4, body, timeout=60.0)
+    for rank, sums in enumerate(results):
+        mine = [float(sum(members)) for members in specs if rank in members]
+        assert sums == mine * 3
+
+
 async def test_subgroups_and_non_members(world4: InProcessGroup) -> None:
     async def body(rank: int) -> tuple[int, int, int, torch.Tensor]:
         odd = C.new_group([3, 1])  # every worker creates both groups, in the same order

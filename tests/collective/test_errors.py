@@ -49,6 +49,8 @@ async def test_argument_checks(make_group: object) -> None:
         await C.send(t, dst=0)
     with pytest.raises(ValueError, match="tag"):
         await C.send(t, dst=1, tag=-1)
+    with pytest.raises(ValueError, match=r"tag must be >= 0 and < 2\*\*31"):  # gloo's limit, on every backend
+        C.isend(t, dst=1, tag=1 << 40)
     with pytest.raises(ValueError, match="one tensor per group member"):
         await C.all_gather([torch.zeros(2)], t)
     with pytest.raises(ValueError, match="must match"):
