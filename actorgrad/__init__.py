@@ -79,15 +79,17 @@ def __dir__() -> list[str]:
     return sorted({*__all__, *_LAZY, *(name for name in globals() if name.startswith("__"))})
 
 
-async def local_group(world_size: int = 2, options: RpcOptions | None = None) -> LocalGroup:
+async def local_group(world_size: int = 2, options: RpcOptions | None = None, *,
+                      echo: bool = True) -> LocalGroup:
     """Start ``world_size - 1`` local worker processes and join this loop as ``worker0``.
 
     For notebooks and interactive use: ``group = await ag.local_group(2)`` ... then
-    ``await group.shutdown()``.
+    ``await group.shutdown()``. With ``echo``, what the workers print shows here (in
+    the cell), each line prefixed ``[workerN]``.
     """
     from .testing import local_group as _local_group
 
-    return await _local_group(world_size, options)
+    return await _local_group(world_size, options, echo=echo)
 
 
 def rref_debug_info() -> dict[str, int]:

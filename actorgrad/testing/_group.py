@@ -32,6 +32,7 @@ from .._errors import RendezvousTimeout
 from .._ports import pick_rendezvous_port
 from ..runtime import RpcOptions, Worker, _current
 from . import _forkserver
+from ._echo import OutputEcho
 from ._module_files import find_module_files, modules_off_the_path
 
 #: a worker process of local_group: forked by the fork server, or started anew
@@ -142,9 +143,10 @@ async def start_in_process(world_size: int = 2, options: RpcOptions | None = Non
 class LocalGroup:
     """This process as ``worker0`` plus ``n - 1`` worker processes on this machine."""
 
-    def __init__(self, processes: list[WorkerProcess], logdir: str) -> None:
+    def __init__(self, processes: list[WorkerProcess], logdir: str, echo: OutputEcho | None = None) -> None:
         self.processes = processes
         self.logdir = logdir
+        self.echo = echo  # shows what the workers print (see _echo)
         self.killed: set[int] = set()  # ranks ended on purpose by kill()
         self.worker: Worker | None = None  # this process's worker0, once the group formed
 
@@ -203,6 +205,8 @@ class LocalGroup:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if self.echo is not None:  # the workers have ended: the last of their output
+            self.echo.stop()
         # keep the logs of failures: a worker that exited with an error we did not cause
         if all(proc.returncode == 0 or rank in self.killed
                for rank, proc in enumerate(self.processes, start=1)):
@@ -210,12 +214,15 @@ class LocalGroup:
 
 
 async def local_group(
-    world_size: int = 2, options: RpcOptions | None = None, env: dict[str, str] | None = None
+    world_size: int = 2, options: RpcOptions | None = None, env: dict[str, str] | None = None,
+    *, echo: bool = True,
 ) -> LocalGroup:
     """Start ``world_size - 1`` worker processes and join the current loop as worker0.
 
     The processes serve until worker0 shuts down (``await group.shutdown()``), and die
-    with it if it disappears.
+    with it if it disappears. With ``echo``, what they print shows in this process's
+    stdout (a notebook's cell), each line prefixed ``[workerN]``; it is also in their
+    logs (``group.logs(rank)``, kept in ``group.logdir`` when a worker failed).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
         raise TypeError(f"local_group: world_size must be an int, got {type(world_size).__name__}")
@@ -268,7 +275,8 @@ async def local_group(
                 stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
             ))
             log.close()
-    group = LocalGroup(processes, logdir)
+    paths = {rank: os.path.join(logdir, f"worker{rank}.log") for rank in args}
+    group = LocalGroup(processes, logdir, OutputEcho(paths) if echo else None)
     # init_rpc runs in this task (it sets this context's worker); a watcher cancels it
     # when a worker process exits before the group formed, instead of letting it wait
     # for the whole init_timeout for a worker that will never join.
@@ -283,6 +291,8 @@ async def local_group(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if group.echo is not None:  # (a worker that died at start: its log's end is raised below)
+            group.echo.stop(copy_rest=not dead)
         if dead and isinstance(exc, asyncio.CancelledError) and this_task is not None:
             this_task.uncancel()
             rank = dead[0]

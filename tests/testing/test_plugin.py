@@ -428,3 +428,44 @@ def test_a_worker_whose_program_ended_while_the_group_formed_ends_too() -> None:
          str(parent.pid)], env=env, capture_output=True, text=True, timeout=120)
     assert time.monotonic() - start < 20, worker.stderr
     assert worker.returncode == 0, worker.stderr
+
+
+def test_what_the_workers_print_shows_in_worker0s_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """It went only to log files, removed at shutdown: a notebook's remote print()
+    showed nowhere."""
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "prints.py"
+    script.write_text(textwrap.dedent('''
+        import asyncio, sys
+
+        import actorgrad as ag
+
+        def chatty(n):
+            print("hello from", ag.get_worker_info().name, n)
+            print("no newline at the end", end="", file=sys.stderr)
+            return n
+
+        async def main(echo):
+            group = await ag.local_group(3, echo=echo)
+            results = [await ag.rpc_async(f"worker{r}", chatty, args=(r,)) for r in (1, 2)]
+            print("results", results, flush=True)
+            await group.shutdown()
+
+        asyncio.run(main(sys.argv[1] == "echo"))
+    '''))
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    for mode in ("echo", "quiet"):
+        proc = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert "results [1, 2]" in lines, proc.stdout
+        shown = sorted(line for line in lines if line.startswith("[worker"))
+        if mode == "echo":
+            assert shown == ["[worker1] hello from worker1 1", "[worker1] no newline at the end",
+                             "[worker2] hello from worker2 2", "[worker2] no newline at the end"], proc.stdout
+        else:
+            assert shown == [], proc.stdout
