@@ -46,7 +46,11 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.established: asyncio.Future[PeerProtocol] = worker.loop.create_future()
         self.outstanding: set[int] = set()  # request ids we wait on from this peer
         self.serving: dict[int, asyncio.Task[None]] = {}  # its requests we are running
-        self.last_received = self.last_sent = time.monotonic()
+        self.last_received = self.last_sent = self.last_taken = time.monotonic()
+        # bytes handed to the transport, ever: with what it still holds, the progress of
+        # a peer reading a long message of ours (see took_bytes)
+        self.handed = 0
+        self._taken_mark = self._unsent_mark = 0
         self.leaving = False  # peer announced shutdown: losing it is expected
         self.left_on_error = ""  # the error the peer's program stopped on, as it told us
         self.lost_reason: str | None = None
@@ -157,6 +161,20 @@ class PeerProtocol(asyncio.BufferedProtocol):
         self.stall_taken = 0
         self.owed_since_pause = self.unsent_bytes()
 
+    def took_bytes(self, now: float) -> float:
+        """When the peer last read bytes of ours (as of ``now``, when it did since the
+        last look): a peer that reads is alive, also while it can hear nothing else
+        from us (our ping waits behind a large message it is reading) and says nothing
+        (it hears from us all the time). Bytes the kernel took while some waited in
+        the transport count: the kernel's buffers were full, so the peer made room.
+        (A peer that does not run still has room in them for our pings.)"""
+        unsent = self.unsent_bytes()
+        taken = self.handed - unsent
+        if taken != self._taken_mark and self._unsent_mark:
+            self.last_taken = now
+        self._taken_mark, self._unsent_mark = taken, unsent
+        return self.last_taken
+
     def taken_since_pause(self) -> int:
         """Bytes the kernel took from the transport since writing paused: progress of
         a peer that reads, however much more we write meanwhile."""
@@ -225,13 +243,17 @@ class PeerProtocol(asyncio.BufferedProtocol):
             if not self._sent_this_tick:
                 self.worker.loop.call_soon(self._end_tick)
             self._sent_this_tick += 1
+            size = _nbytes(pieces[0])
+            self.handed += size
             if self.write_paused:
-                self.owed_since_pause += _nbytes(pieces[0])
+                self.owed_since_pause += size
             transport.write(pieces[0])
             return
         self.flush()
+        size = sum(map(_nbytes, pieces))
+        self.handed += size
         if self.write_paused:
-            self.owed_since_pause += sum(map(_nbytes, pieces))
+            self.owed_since_pause += size
         transport.writelines(pieces)
 
     def _end_tick(self) -> None:
@@ -243,8 +265,10 @@ class PeerProtocol(asyncio.BufferedProtocol):
         if corked is None or self.transport is None or self.transport.is_closing():
             return
         data = corked[0] if len(corked) == 1 else b"".join(corked)
+        size = _nbytes(data)
+        self.handed += size
         if self.write_paused:
-            self.owed_since_pause += _nbytes(data)
+            self.owed_since_pause += size
         self.transport.write(data)
 
     def _write_later(self, pieces: list[bytes | bytearray | memoryview]) -> None:

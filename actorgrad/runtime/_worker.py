@@ -1097,16 +1097,18 @@ class Worker:
             stalled_here = now - last > 2 * interval  # our own loop was blocked
             last = now
             for peer in list(self.peers.values()):
+                peer.took_bytes(now)  # (looked at every tick: progress between two looks counts)
                 silent = now - peer.last_received
                 if silent >= interval:  # the peer answers pings while its loop runs
                     with contextlib.suppress(Exception):
                         peer.send(Heartbeat(ping=True))
                 if stalled_here:
                     peer.last_received = peer.stall_since = now
-                elif peer.outstanding and silent > limit:
-                    peer.abort(f"no message for {silent:.1f}s (heartbeat timeout)")
                 elif peer.write_paused:
                     self._check_write_stall(peer, now)
+                elif peer.outstanding and silent > limit and now - peer.last_taken > limit:
+                    # (a peer that took bytes of ours lately is reading: see took_bytes)
+                    peer.abort(f"no message for {silent:.1f}s (heartbeat timeout)")
 
     def _check_write_stall(self, peer: PeerProtocol, now: float) -> None:
         """Drop a peer that took none of our bytes for heartbeat_timeout: it stopped

@@ -50,6 +50,10 @@ _STAGING_BYTES = 256 << 10
 # smaller staging area keeps unauthenticated connections cheap (a full one is 256 KiB).
 HANDSHAKE_STAGING_BYTES = 16 << 10
 _DIRECT_MIN_BYTES = 64 << 10  # read larger remainders straight into tensor memory
+# At most this much memory is offered to one read: a read into a large tensor while its
+# sender keeps the socket full went on copying for the whole transfer (seconds for a
+# GiB), and the loop served nothing else meanwhile (heartbeats, other peers' calls).
+_DIRECT_READ_MAX = 2 << 20
 _HUGE_PAGE_MIN_BYTES = 2 << 20
 _HUGE_PAGE = 2 << 20
 _MAP_PRIVATE_ANON = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) or None
@@ -157,7 +161,7 @@ class FrameDecoder:
             target = self._targets[self._part]
             if len(target) - self._filled >= _DIRECT_MIN_BYTES:
                 self._direct = True
-                return target[self._filled :]
+                return target[self._filled : self._filled + _DIRECT_READ_MAX]
         self._direct = False
         if self._start == self._end:
             self._start = self._end = 0

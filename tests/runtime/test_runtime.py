@@ -1029,6 +1029,25 @@ async def test_a_heartbeat_timeout_under_the_interval_still_lets_a_peer_answer(m
     assert await ag.rpc_async("worker1", remote_sleep, args=(1.5,), timeout=10) == "woke"
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+async def test_a_peer_reading_a_long_message_of_ours_is_not_taken_for_silent(make_group):
+    """While a message takes longer than heartbeat_timeout to cross, the peer hears
+    nothing else from us (our pings wait behind it) and says nothing (it hears from us
+    all the time): a peer that takes our bytes is alive. It was dropped as silent."""
+    await make_group(2, ag.RpcOptions(heartbeat_interval=0.05, heartbeat_timeout=0.15))
+    big = torch.ones(192 << 20, dtype=torch.uint8)
+    worker = ag.runtime.get_worker()
+    for _ in range(3):
+        start = time.monotonic()
+        assert await ag.rpc_async("worker1", _nbytes, args=(big,), timeout=60) == big.numel()
+        if time.monotonic() - start > 0.3:  # it took longer than the heartbeat timeout
+            break
+    assert 1 in worker.peers
+
+
 @pytest.mark.slow
 async def test_a_call_is_on_the_wire_before_the_caller_yields(make_process_group, auth_env):
     """rpc_async sends at once: worker1 runs the call while this loop is still blocked

@@ -26,7 +26,7 @@ from wire_helpers import (
 )
 
 from actorgrad.wire import Call, Connection, Established, FrameDecoder, Kind, Payload, Result, State
-from actorgrad.wire._frames import _DIRECT_MIN_BYTES, _STAGING_BYTES, HEADER
+from actorgrad.wire._frames import _DIRECT_MIN_BYTES, _DIRECT_READ_MAX, _STAGING_BYTES, HEADER
 
 SMALL_FRAMES = [
     frame(Kind.HEARTBEAT),
@@ -139,18 +139,31 @@ def test_big_frames_chunked():
 
 
 def test_big_buffers_are_received_directly():
-    """A large buffer is handed out by get_buffer() as the tensor's own memory."""
-    payload = torch.arange(1 << 20, dtype=torch.int32)
+    """A large buffer is handed out by get_buffer() as the tensor's own memory, a few
+    MiB at a time: one read into all of it went on for as long as the sender kept the
+    socket full (seconds for a GiB), and the event loop served nothing meanwhile."""
+    payload = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB
     data = frame(Kind.RESULT, 1, b"b", (payload.numpy().tobytes(),))
     decoder = FrameDecoder()
     decoder.receive_data(data[: HEADER.size + 8 + 1])  # header, length table, body
-    buf = decoder.get_buffer(-1)
-    assert len(buf) == payload.numel() * 4  # the whole buffer, not the staging area
-    rest = data[HEADER.size + 9 :]
-    buf[: len(rest)] = rest
-    decoder.buffer_updated(len(rest))
+    rest = memoryview(data)[HEADER.size + 9 :]
+    offered = []
+    first = None
+    while rest:
+        buf = decoder.get_buffer(-1)
+        first = buf if first is None else first
+        offered.append(len(buf))
+        n = min(len(buf), len(rest))
+        buf[:n] = rest[:n]
+        decoder.buffer_updated(n)
+        rest = rest[n:]
+    assert sum(offered) == payload.numel() * 4 and max(offered) == _DIRECT_READ_MAX, offered
     f = decoder.next_frame()
     assert f is not None and torch.equal(f.buffers[0].view(torch.int32), payload)
+    # the memory read into was the buffer's own, not the staging area
+    import numpy as np
+
+    assert first is not None and f.buffers[0].data_ptr() == np.frombuffer(first, np.uint8).ctypes.data
     assert decoder.next_frame() is None and not decoder.in_frame
 
 
