@@ -84,7 +84,15 @@ class TorchBackend:
         self.pgs[gid] = made
 
         def start(_: Any = None) -> None:
-            _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size)).add_done_callback(settle)
+            if self.closed:
+                made.set_exception(CollectiveError(f"the {self.name} backend is shut down"))
+                made.exception()  # (nobody may ask: not an unretrieved error)
+                return
+            try:
+                _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size)).add_done_callback(settle)
+            except Exception as exc:  # (the worker's pool is closed: it is shutting down)
+                made.set_exception(exc)
+                made.exception()
 
         def settle(done: asyncio.Future[PG]) -> None:
             if done.cancelled():

@@ -503,7 +503,8 @@ def rpc_sync(
 ) -> Any:
     """Blocking :func:`rpc_async`: works in plain scripts, in threads (a remote function
     calling another worker) and in Jupyter's running loop."""
-    call_arguments("rpc", args, kwargs, timeout)  # (bad arguments first, wherever it runs)
+    # (bad arguments first, wherever it runs; an iterator of arguments is read once)
+    args, kwargs = call_arguments("rpc", args, kwargs, timeout)
     return blocking_call(get_worker(), lambda: rpc_async(to, func, args, kwargs, timeout), timeout)
 
 

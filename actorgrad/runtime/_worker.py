@@ -529,11 +529,13 @@ class Worker:
                     raise failed from None
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
-                if exc.errno not in _UNREACHABLE or now - unreachable_since >= _UNREACHABLE_GRACE_S:
+                unreachable = exc.errno in _UNREACHABLE or isinstance(exc, socket.gaierror)
+                if not unreachable or now - unreachable_since >= _UNREACHABLE_GRACE_S:
+                    hint = (": is it an address this host reaches (RpcOptions.advertise_host on "
+                            "that rank)?") if unreachable else ""
                     raise WorkerLost(self.infos[rank].name, (
                         f"rank {rank} cannot be reached at {address[0]}:{address[1]}, the address "
-                        f"it published ({exc}): is it an address this host reaches "
-                        "(RpcOptions.advertise_host on that rank)?")) from None
+                        f"it published ({exc}){hint}")) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
         await proto.established

@@ -15,7 +15,8 @@ import threading
 from typing import BinaryIO
 
 _INTERVAL_S = 0.1  # how often the files are read: output shows this much after it was written
-_READ_MAX = 1 << 20  # per file and turn: a worker that prints without end cannot starve the rest
+_READ_MAX = 1 << 20  # per file and turn (turns follow each other while there is more)
+_LINE_MAX = 1 << 16  # a line without its end that grows past this is shown in pieces
 
 
 class OutputEcho:
@@ -33,12 +34,15 @@ class OutputEcho:
 
     def _run(self) -> None:
         while not self._stopping.wait(_INTERVAL_S):
-            self._copy()
+            while self._copy() and not self._stopping.is_set():
+                pass
 
-    def _copy(self, final: bool = False) -> None:
+    def _copy(self, final: bool = False) -> bool:
+        """Show what the files gained; whether there may be more (a full read)."""
+        more = False
         with self._lock:
             if self._closed:
-                return
+                return False
             lines: list[str] = []
             for rank, path in self._paths.items():
                 file = self._files.get(rank)
@@ -48,12 +52,13 @@ class OutputEcho:
                     except OSError:
                         continue  # not there yet (or removed: the group has ended)
                 try:
-                    data = self._partial.pop(rank, b"") + file.read(_READ_MAX)
+                    read = file.read(_READ_MAX)
                 except (OSError, ValueError):
                     continue
-                *complete, rest = data.split(b"\n")
-                if final and rest:
-                    complete.append(rest)  # the worker's last line, without its newline
+                more = more or len(read) == _READ_MAX
+                *complete, rest = (self._partial.pop(rank, b"") + read).split(b"\n")
+                if rest and ((final and len(read) < _READ_MAX) or len(rest) > _LINE_MAX):
+                    complete.append(rest)  # the worker's last line, or a piece of a long one
                 elif rest:
                     self._partial[rank] = rest
                 prefix = f"[worker{rank}] "
@@ -63,6 +68,7 @@ class OutputEcho:
                 with contextlib.suppress(Exception):  # a closed or replaced stream: nobody to show
                     stream.write("".join(lines))
                     stream.flush()
+        return more
 
     def stop(self, copy_rest: bool = True) -> None:
         """Stop following; with ``copy_rest``, show what the workers wrote until now
@@ -71,7 +77,8 @@ class OutputEcho:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         if copy_rest:
-            self._copy(final=True)
+            while self._copy(final=True):  # to the end of every file
+                pass
         with self._lock:
             self._closed = True
             for file in self._files.values():

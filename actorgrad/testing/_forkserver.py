@@ -65,6 +65,7 @@ def serve_forever() -> dict[str, Any]:
     the child is to carry out; the server itself leaves through SystemExit."""
     from .._api import load_layers
 
+    parent = os.getppid()  # (before the imports: a parent may die during them)
     load_layers()  # every layer a worker loads in init_rpc, and torch with them
     gc.freeze()  # the collector of a child leaves these alone: their pages stay shared
     wake_r, wake_w = os.pipe()
@@ -77,7 +78,6 @@ def serve_forever() -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a parent gone: nobody to tell
             os.write(1, (line + "\n").encode())
 
-    parent = os.getppid()
     children: dict[int, int] = {}  # pid -> request id
     pending = b""
     open_stdin = True

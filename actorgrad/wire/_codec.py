@@ -62,14 +62,13 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from .._errors import ProtocolError
 from ._main_objects import (
-    ORIGIN_ATTRIBUTE,
     class_fingerprint,
     fingerprint,
     is_main_object,
     main_class,
     main_function,
-    note_origin,
     origin_function,
+    origin_token,
 )
 
 INBAND_MAX_BYTES = 8 << 10  # tensors up to this size travel inside the pickle body
@@ -198,6 +197,7 @@ class _Pickler(cloudpickle.Pickler):
         self.main_by_name = False  # see Payload.dump
         self.recording = False  # see Payload.dump
         self.describes_tensors = True  # False: torch pickles them itself (see dumps)
+        self.wrapping: set[Any] = set()  # functions sent with their origin in this dump
 
     def _describe(self, obj: torch.Tensor) -> bytes | None:
         """The descriptor of ``obj`` (noting it in ``tensors``/``buffers``), or None for
@@ -244,11 +244,13 @@ class _Pickler(cloudpickle.Pickler):
                 return self._by_name(obj)
             if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
                 return NotImplemented
-            if cls is _FunctionType and obj.__module__ == "__main__":  # by value, see _main_objects
-                if (token := obj.__dict__.get(ORIGIN_ATTRIBUTE)) is not None and not is_main_object(obj):
-                    return (origin_function, (token, _ByValue(obj)))  # a copy, maybe going home
-                if is_main_object(obj):
-                    note_origin(obj)
+            # by value, with its origin (see _main_objects); inside its own copy (its
+            # globals name it: recursion) as a plain copy, as pickle's memo is not yet
+            # keyed by it then
+            if (cls is _FunctionType and obj.__module__ == "__main__" and obj not in self.wrapping
+                    and (token := origin_token(obj)) is not None):
+                self.wrapping.add(obj)
+                return (origin_function, (token, _ByValue(obj)))
             reduced = super().reducer_override(obj)
             if reduced is NotImplemented and _BY_VALUE_MODULES is not None:
                 if len(_BY_VALUE_MODULES) != _by_value_seen[0] or len(_BY_REFERENCE) >= _BY_REFERENCE_MAX:
@@ -281,6 +283,7 @@ class _Pickler(cloudpickle.Pickler):
         self.globals_ref: dict[int, Any] = {}
         self.tensors = []
         self.buffers = []
+        self.wrapping.clear()
 
 
 def dumps(obj: Any, main_by_name: bool = False) -> bytes:

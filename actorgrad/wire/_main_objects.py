@@ -18,11 +18,13 @@ code, and the receiver uses its own (as torch does; also a method or a nested cl
 found by its qualified name); to any other it travels by value
 (as cloudpickle sends it, what a worker process running another program needs).
 
-A function sent by value carries a token of its origin (``ORIGIN_ATTRIBUTE``), as
+A function sent by value travels with a token of its origin (``origin_token``), as
 cloudpickle tracks the classes it sends by value: when a copy comes back to the process
 that made it (a worker calling a notebook's function on worker0, to report to it), that
 process runs its own function, with its live globals, not the copy of them the function
-took along (which made such callbacks change nothing, in silence).
+took along (which made such callbacks change nothing, in silence). The tokens are kept
+beside the functions, by identity, not on them: a wrapper that copies a function's
+``__dict__`` (``functools.wraps``) is not taken for it.
 """
 
 from __future__ import annotations
@@ -160,23 +162,32 @@ def main_class(name: str, print_: Fingerprint) -> type:
     )
 
 
-ORIGIN_ATTRIBUTE = "__actorgrad_origin__"
+# token -> the function of this process it names; function -> its token (of this
+# process, or of the process a copy came from)
 _origins: weakref.WeakValueDictionary[str, types.FunctionType] = weakref.WeakValueDictionary()
+_tokens: weakref.WeakKeyDictionary[types.FunctionType, str] = weakref.WeakKeyDictionary()
 _origin_prefix = os.urandom(8).hex()
 _origin_numbers = itertools.count()
 
 
-def note_origin(func: types.FunctionType) -> None:
-    """``func``, a top-level ``__main__`` function, is about to be sent by value: give it
-    a token that finds it here (kept on the function, so the copy carries it)."""
-    token = func.__dict__.get(ORIGIN_ATTRIBUTE)
-    if token is None or _origins.get(token) is not func:
-        token = f"{_origin_prefix}:{next(_origin_numbers)}"
-        setattr(func, ORIGIN_ATTRIBUTE, token)
+def origin_token(func: types.FunctionType) -> str | None:
+    """The token ``func`` travels with by value: the one it came with (a copy), or, for
+    a top-level ``__main__`` function of this process, one that finds it here."""
+    token = _tokens.get(func)
+    if token is None and is_main_object(func):
+        # (the pid tells apart the processes forked from one that imported this module)
+        token = f"{os.getpid()}:{_origin_prefix}:{next(_origin_numbers)}"
+        _tokens[func] = token
         _origins[token] = func
+    return token
 
 
 def origin_function(token: str, copy: types.FunctionType) -> types.FunctionType:
-    """What a function sent by value with an origin token is rebuilt by: the original
-    where this process made it (and still has it), else the copy."""
-    return _origins.get(token, copy)
+    """What a function sent by value with its origin token is rebuilt by: the original
+    where this process made it (and still has it), else the copy (which keeps the
+    token, to be sent on with it)."""
+    original = _origins.get(token)
+    if original is not None:
+        return original
+    _tokens[copy] = token
+    return copy

@@ -263,6 +263,12 @@ def report_through_worker2(value):
 def report_to_worker0(func, value):
     return ag.rpc_sync("worker0", func, args=(value,))
 
+def fact(n):  # names itself: its copy's globals hold the copy
+    return 1 if n <= 1 else n * fact(n - 1)
+
+def fact_on_worker0(n):
+    return ag.rpc_sync("worker0", fact, args=(n,))
+
 async def main():
     group = await ag.local_group(3)  # workers 1 and 2 run another program: copies
     try:
@@ -272,6 +278,7 @@ async def main():
         counts = [await ag.rpc_async("worker1", report, args=(i,)) for i in (1, 2)]
         counts.append(await ag.rpc_async("worker1", report_through_worker2, args=(3,)))
         print("CALLED BACK", counts, reports)
+        print("RECURSIVE", await ag.rpc_async("worker1", fact_on_worker0, args=(5,)))
     finally:
         await group.shutdown()
 
@@ -287,6 +294,7 @@ def test_a_worker_that_runs_another_program_gets_a_copy(tmp_path):
     assert "PASSED ON ran on worker2" in out
     # a copy that came back ran as the program's own function (with its own list)
     assert "CALLED BACK [1, 2, 3] [1, 2, 3]" in out
+    assert "RECURSIVE 120" in out  # (its copy named itself: sent on, it recursed for good)
 
 
 DIFFERS = """
@@ -394,6 +402,32 @@ def test_the_class_fingerprint_follows_its_code_not_its_state():
     (both,) = prints
     first, second = both.splitlines()
     assert first == second  # attributes set after the class statement leave it alone
+
+
+def test_a_main_function_sent_by_value_comes_back_as_itself_and_unchanged():
+    """Its origin is kept beside it, by identity: not in its __dict__ (which a
+    functools.wraps wrapper copies, and which travels with it)."""
+    import functools
+    import pickle
+
+    from actorgrad.wire._codec import dumps
+
+    main = sys.modules["__main__"]
+    source = "def _ag_twice(x):\n    return 2 * x\n"
+    exec(source, main.__dict__)  # a function of __main__, as a script or a notebook has
+    try:
+        func = main._ag_twice
+        assert pickle.loads(dumps(func)) is func
+        assert vars(func) == {}
+
+        @functools.wraps(func)
+        def wrapper(x):  # type: ignore[no-untyped-def]
+            return func(x) + 1
+
+        assert pickle.loads(dumps(wrapper)) is not func
+        assert pickle.loads(dumps(wrapper))(1) == 3
+    finally:
+        del main._ag_twice
 
 
 def test_functions_and_classes_of_other_modules_are_not_affected():

@@ -837,7 +837,7 @@ async def test_call_arguments_that_cannot_be_meant_are_refused_at_the_call(group
         ag.rpc_sync("worker1", torch.neg, args=(t,), timeout=-1)
     with pytest.raises(TypeError, match="args must be a tuple"):
         ag.rpc_sync("worker1", torch.neg, args=t)  # type: ignore[arg-type]
-    assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=[t]), -t)  # a list is fine
+    assert ag.rpc_sync("worker1", max, args=(i for i in range(3))) == 2  # read once, sent    assert torch.equal(await ag.rpc_async("worker1", torch.neg, args=[t]), -t)  # a list is fine
     # any other iterable and mapping as before, numpy numbers as timeouts
     import types
 

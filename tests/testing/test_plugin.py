@@ -444,6 +444,8 @@ def test_what_the_workers_print_shows_in_worker0s_output(tmp_path) -> None:  # t
 
         def chatty(n):
             print("hello from", ag.get_worker_info().name, n)
+            for i in range(60_000):  # just before the group ends: shown to the last
+                print(f"line {i} " + "x" * 90)
             print("no newline at the end", end="", file=sys.stderr)
             return n
 
@@ -463,7 +465,9 @@ def test_what_the_workers_print_shows_in_worker0s_output(tmp_path) -> None:  # t
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
         assert "results [1, 2]" in lines, proc.stdout
-        shown = sorted(line for line in lines if line.startswith("[worker"))
+        many = [line for line in lines if line.startswith("[worker1] line ")]
+        assert len(many) == (60_000 if mode == "echo" else 0), len(many)
+        shown = sorted(line for line in lines if line.startswith("[worker") and " line " not in line)
         if mode == "echo":
             assert shown == ["[worker1] hello from worker1 1", "[worker1] no newline at the end",
                              "[worker2] hello from worker2 2", "[worker2] no newline at the end"], proc.stdout
