@@ -61,10 +61,9 @@ import dataclasses
 import functools
 import math
 import numbers
-import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -77,8 +76,6 @@ from ..collective._api import refuse_next, start_all_reduce, start_broadcast
 from ..runtime import Worker, get_worker
 
 _MiB = 1 << 20
-# A local backward this short runs on the loop when there is nothing to overlap (see _run_local).
-_INLINE_BACKWARD_S = 0.002
 
 
 class _Bucket:
@@ -150,7 +147,6 @@ class DistributedDataParallel(nn.Module):
         worker = get_worker()
         self._worker: Worker = worker
         self._loop = worker.loop
-        self._backward_s: float | None = None  # how long the last local backward took
         self._world_size = len(group.ranks) if group is not None else worker.world_size
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
@@ -530,9 +526,9 @@ class DistributedDataParallel(nn.Module):
         # the wait for this turn: another backward may have taken one meanwhile)
         own = [self] if self.require_backward_grad_sync else []
         wrappers = own + [w for w in reached if w._synchronising() and not w._active]
-        local = functools.partial(self._timed_backward, loss, gradient, retain_graph)
+        local = functools.partial(_local_backward, loss, gradient, retain_graph)
         if not wrappers:
-            await self._run_local(local, reached)
+            await _to_its_end(self._worker.run_blocking(local))
             return
         for wrapper in wrappers:
             await wrapper._buckets_settled()
@@ -542,7 +538,7 @@ class DistributedDataParallel(nn.Module):
         errors = []
         try:
             try:
-                await self._run_local(local, reached)
+                await _to_its_end(self._worker.run_blocking(local))
             except Exception as exc:  # noqa: BLE001 - raised below, once the ranks are in step
                 local_error = exc
             for wrapper in wrappers:  # one after the other: the same collectives everywhere
@@ -554,29 +550,6 @@ class DistributedDataParallel(nn.Module):
                 wrapper._issue_rest()  # out, and no wrapper stays taken
         if errors:
             raise errors[0]
-
-    async def _run_local(self, local: Callable[[], None], reached: list[DistributedDataParallel]) -> None:
-        """Run the local backward: on the thread pool, so that the buckets complete
-        early are all-reduced while it goes on; inline, on the loop, when there is
-        nothing to overlap (one bucket, which is complete only at the end) and it is
-        short: a small model's backward took two to seven times as long through the
-        pool (the hops between threads, the GIL handed back and forth)."""
-        if (len(self._buckets) == 1 and not reached and self._backward_s is not None
-                and self._backward_s < _INLINE_BACKWARD_S):
-            try:
-                local()
-            finally:  # the hooks' _mark_ready calls, queued meanwhile, run first
-                await asyncio.sleep(0)
-        else:
-            await _to_its_end(self._worker.run_blocking(local))
-
-    def _timed_backward(self, loss: torch.Tensor, gradient: torch.Tensor | None,
-                        retain_graph: bool | None) -> None:
-        start = time.perf_counter()
-        try:
-            _local_backward(loss, gradient, retain_graph)
-        finally:
-            self._backward_s = time.perf_counter() - start
 
     async def _average_in_context(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
         """After a distributed backward on this worker: average the gradients it left in
