@@ -30,7 +30,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import torch
+
 from ._torch_modes import as_a_fresh_thread, fresh_modes
+
+_get_num_threads = torch.get_num_threads
 
 _STOP = object()
 _JOIN_SECONDS = 2.0  # how long close() waits for threads to finish their last job
@@ -67,7 +71,8 @@ class ThreadPool:
             raise RuntimeError("the worker's thread pool is shut down")
         future: asyncio.Future[Any] = self._loop.create_future()
         self.in_flight += 1
-        self._jobs.put((fn, ctx, future))
+        # with the submitting thread's intra-op thread count (see _run)
+        self._jobs.put((fn, ctx, future, _get_num_threads()))
         if not self._threads:
             self._start_thread()
         elif self._check is None:
@@ -123,13 +128,22 @@ class ThreadPool:
         get = self._jobs.get
         free = self._free
         call_soon_threadsafe = self._loop.call_soon_threadsafe
+        # OpenMP keeps its thread count per thread, and torch sets it in a new thread
+        # only when asked for it: until then ops that go to OpenMP directly ran on every
+        # core (two ranks on two cores: a small model's DDP backward on the pool took
+        # 5-10x as long as on the loop thread, until OMP_NUM_THREADS=1). Asked here at
+        # the start, and set again when the program changed it (torch.set_num_threads).
+        threads = _get_num_threads()
         while True:
             free[index] = True  # one store: atomic under the GIL, no lock needed
             job = get()
             free[index] = False
             if job is _STOP:
                 return
-            fn, ctx, future = job
+            fn, ctx, future, wanted = job
+            if wanted != threads:  # (see submit)
+                torch.set_num_threads(wanted)
+                threads = _get_num_threads()
             deliver: Callable[[asyncio.Future[Any], Any], None]
             try:
                 if fresh_modes():

@@ -51,3 +51,22 @@ def test_the_default_pool_is_torchs_size(threads):
     import actorgrad as ag
 
     assert ag.RpcOptions().num_worker_threads == threads  # TensorPipe's default
+
+
+async def test_jobs_run_torch_with_the_intra_op_threads_the_program_set():
+    """OpenMP keeps the thread count per thread: a pool thread ran torch ops on one
+    thread per core whatever torch.set_num_threads the program had called (two ranks on
+    two cores made a small model's backward 5-10x slower on the pool than inline)."""
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = 3 if before != 3 else 2  # (not what a new thread starts with)
+    pool = ThreadPool(asyncio.get_running_loop(), 2, "test-pool")
+    try:
+        torch.set_num_threads(wanted)
+        assert await pool.submit(torch.get_num_threads, contextvars.copy_context()) == wanted
+        torch.set_num_threads(1)  # later changes are followed too
+        assert await pool.submit(torch.get_num_threads, contextvars.copy_context()) == 1
+    finally:
+        torch.set_num_threads(before)
+        pool.close()
