@@ -89,20 +89,16 @@ class TorchBackend:
                 made.exception()  # (nobody may ask: not an unretrieved error)
                 return
             try:
-                _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size)).add_done_callback(settle)
+                _off_loop(self.worker, lambda: self._make_pg(prefix, rank, size), into=made)
             except Exception as exc:  # (the worker's pool is closed: it is shutting down)
                 made.set_exception(exc)
                 made.exception()
 
-        def settle(done: asyncio.Future[PG]) -> None:
-            if done.cancelled():
-                made.cancel()
-            elif (exc := done.exception()) is not None:
-                made.set_exception(exc)
-            else:
-                made.set_result(done.result())
-                if self.pgs.get(gid) is not made:  # destroyed (or the backend closed) meanwhile
-                    _shut_down(made)
+        def shut_down_if_gone(_: Any) -> None:
+            if self.pgs.get(gid) is not made:  # destroyed (or the backend closed) meanwhile
+                _shut_down(made)
+
+        made.add_done_callback(shut_down_if_gone)
 
         # One at a time, in new_group order (the same on every rank): making one waits
         # for the other members in the store, through the one store client, and two
@@ -394,12 +390,14 @@ async def create_backend(worker: Worker, name: str, timeout: float, world: Group
     return backend
 
 
-def _off_loop(worker: Worker, make: Callable[[], Any]) -> asyncio.Future[Any]:
+def _off_loop(worker: Worker, make: Callable[[], Any],
+              into: asyncio.Future[Any] | None = None) -> asyncio.Future[Any]:
     """``worker.run_blocking(make)``, except that the pool thread keeps no reference to
     the result: a c10d object whose last reference dies on a daemon thread during
-    interpreter shutdown aborts the process (its destructor drops the GIL)."""
+    interpreter shutdown aborts the process (its destructor drops the GIL). The result
+    goes ``into`` that future when one is given."""
     holder: list[Any] = []
-    result: asyncio.Future[Any] = worker.loop.create_future()
+    result: asyncio.Future[Any] = worker.loop.create_future() if into is None else into
 
     def run() -> None:
         holder.append(make())
