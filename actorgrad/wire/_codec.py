@@ -244,9 +244,10 @@ class _Pickler(cloudpickle.Pickler):
                 return self._by_name(obj)
             if obj in _BY_REFERENCE and _BY_VALUE_MODULES is not None and len(_BY_VALUE_MODULES) == _by_value_seen[0]:
                 return NotImplemented
-            # by value, with its origin (see _main_objects); inside its own copy (its
-            # globals name it: recursion) as a plain copy, as pickle's memo is not yet
-            # keyed by it then
+            # by value, with its origin (see _main_objects). A function its own globals
+            # name (recursion) is met again while its arguments are pickled: there it
+            # goes as a plain copy, which pickle's memo then keeps for it, so such a
+            # function travels without its origin (a copy, as before)
             if (cls is _FunctionType and obj.__module__ == "__main__" and obj not in self.wrapping
                     and (token := origin_token(obj)) is not None):
                 self.wrapping.add(obj)

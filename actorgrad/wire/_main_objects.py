@@ -24,7 +24,8 @@ that made it (a worker calling a notebook's function on worker0, to report to it
 process runs its own function, with its live globals, not the copy of them the function
 took along (which made such callbacks change nothing, in silence). The tokens are kept
 beside the functions, by identity, not on them: a wrapper that copies a function's
-``__dict__`` (``functools.wraps``) is not taken for it.
+``__dict__`` (``functools.wraps``) is not taken for it. A function that names itself
+(recursion) still travels as a plain copy (see the codec).
 """
 
 from __future__ import annotations
