@@ -32,6 +32,37 @@ async def test_send_recv_blocking(world4: InProcessGroup) -> None:
     assert results[2][0].tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("numel", [0, 1, 5, 2048, 2049, 20000], ids=lambda n: f"{n}el")
+async def test_sent_tensors_of_every_kind_arrive_as_they_left(world4: InProcessGroup, numel: int) -> None:
+    """Small ones travel inside the message header, larger ones as buffers of their
+    own (8 KiB of float32 is 2048 elements): every dtype, a 0-dim tensor, a view."""
+    g = torch.Generator().manual_seed(numel)
+    sent = [
+        torch.randn(numel, generator=g),
+        (torch.randn(numel, generator=g) * 50).to(torch.int8),
+        torch.randn(numel, generator=g) > 0,
+        torch.randn(numel, generator=g).to(torch.bfloat16),
+        torch.randn(numel, dtype=torch.complex64, generator=g),
+        torch.randn(2 * numel, generator=g)[::2],  # a view with a stride
+    ]
+    if numel == 1:
+        sent.append(torch.tensor(3.5))  # 0-dim
+
+    async def body(rank: int) -> list[torch.Tensor]:
+        got = [torch.zeros_like(t) for t in sent]
+        if rank == 0:
+            for t in sent:
+                await C.send(t, dst=1)
+        elif rank == 1:
+            for t in got:
+                assert await C.recv(t, src=0) == 0
+        return got
+
+    results = await run_all(world4, body)
+    for want, got in zip(sent, results[1], strict=True):
+        assert torch.equal(got, want) and got.shape == want.shape
+
+
 async def test_isend_irecv_ring(world4: InProcessGroup) -> None:
     """Every rank sends to its right and receives from its left, non-blocking."""
 
