@@ -71,8 +71,7 @@ class ThreadPool:
             raise RuntimeError("the worker's thread pool is shut down")
         future: asyncio.Future[Any] = self._loop.create_future()
         self.in_flight += 1
-        # with the submitting thread's intra-op thread count (see _run)
-        self._jobs.put((fn, ctx, future, _get_num_threads()))
+        self._jobs.put((fn, ctx, future))
         if not self._threads:
             self._start_thread()
         elif self._check is None:
@@ -129,10 +128,11 @@ class ThreadPool:
         free = self._free
         call_soon_threadsafe = self._loop.call_soon_threadsafe
         # OpenMP keeps its thread count per thread, and torch sets it in a new thread
-        # only when asked for it: until then ops that go to OpenMP directly ran on every
-        # core (two ranks on two cores: a small model's DDP backward on the pool took
-        # 5-10x as long as on the loop thread, until OMP_NUM_THREADS=1). Asked here at
-        # the start, and set again when the program changed it (torch.set_num_threads).
+        # (to the program's torch.set_num_threads) only when asked for it: until then
+        # ops that go to OpenMP directly ran on every core (two ranks on two cores: a
+        # small model's DDP backward on the pool took 5-10x as long as on the loop
+        # thread, until OMP_NUM_THREADS=1). Asked at the start; a job that sets a count
+        # of its own has it for itself only, as each job starts as a fresh thread.
         threads = _get_num_threads()
         while True:
             free[index] = True  # one store: atomic under the GIL, no lock needed
@@ -140,10 +140,7 @@ class ThreadPool:
             free[index] = False
             if job is _STOP:
                 return
-            fn, ctx, future, wanted = job
-            if wanted != threads:  # (see submit)
-                torch.set_num_threads(wanted)
-                threads = _get_num_threads()
+            fn, ctx, future = job
             deliver: Callable[[asyncio.Future[Any], Any], None]
             try:
                 if fresh_modes():
@@ -158,6 +155,8 @@ class ThreadPool:
                 if isinstance(exc, KeyboardInterrupt):
                     exc.raised_in_pool = True  # type: ignore[attr-defined]  # no Ctrl-C: see raised_in_pool
                 value, deliver = exc, _set_exception
+            if _get_num_threads() != threads:  # (see above)
+                torch.set_num_threads(threads)
             del job, fn, ctx
             if os.getpid() != self._pid:
                 _end_forked_child(None)

@@ -54,19 +54,26 @@ def test_the_default_pool_is_torchs_size(threads):
 
 
 async def test_jobs_run_torch_with_the_intra_op_threads_the_program_set():
-    """OpenMP keeps the thread count per thread: a pool thread ran torch ops on one
-    thread per core whatever torch.set_num_threads the program had called (two ranks on
-    two cores made a small model's backward 5-10x slower on the pool than inline)."""
+    """A pool thread takes the program's torch.set_num_threads at its start (OpenMP
+    keeps the count per thread: ops that went to OpenMP directly ran on every core), and
+    a job that sets a count of its own has it for itself only, as each job starts as a
+    fresh thread: it stayed for every later job on that thread."""
     import torch
 
     before = torch.get_num_threads()
     wanted = 3 if before != 3 else 2  # (not what a new thread starts with)
-    pool = ThreadPool(asyncio.get_running_loop(), 2, "test-pool")
+    other = 1
+
+    def sets_its_own() -> int:
+        torch.set_num_threads(other)
+        return torch.get_num_threads()
+
+    pool = ThreadPool(asyncio.get_running_loop(), 1, "test-pool")
     try:
         torch.set_num_threads(wanted)
         assert await pool.submit(torch.get_num_threads, contextvars.copy_context()) == wanted
-        torch.set_num_threads(1)  # later changes are followed too
-        assert await pool.submit(torch.get_num_threads, contextvars.copy_context()) == 1
+        assert await pool.submit(sets_its_own, contextvars.copy_context()) == other
+        assert await pool.submit(torch.get_num_threads, contextvars.copy_context()) == wanted
     finally:
         torch.set_num_threads(before)
         pool.close()
