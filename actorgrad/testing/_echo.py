@@ -70,6 +70,11 @@ class OutputEcho:
                     stream.flush()
         return more
 
+    def flush(self) -> None:
+        """Show now what the workers wrote until now (complete lines)."""
+        while self._copy():
+            pass
+
     def stop(self, copy_rest: bool = True) -> None:
         """Stop following; with ``copy_rest``, show what the workers wrote until now
         (call it once they have ended)."""

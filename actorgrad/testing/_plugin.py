@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import pytest_asyncio
 
-from ._group import InProcessGroup, LocalGroup, local_group, start_in_process
+if TYPE_CHECKING:  # (loaded when a group starts: they need torch, seconds to import,
+    # and this plugin is imported by every pytest run of the environment)
+    from ._group import InProcessGroup, LocalGroup
 
 _FIXTURES = ("actorgrad_group", "actorgrad_process_group")
 _LOOP_SCOPES = ("function", "class", "module", "package", "session")
@@ -47,6 +49,18 @@ def pytest_pycollect_makeitem(collector: Any, name: str, obj: object) -> Generat
                 and item.get_closest_marker("asyncio") is None
                 and any(name in item.fixturenames for name in _FIXTURES)):
             item.add_marker(pytest.mark.asyncio)
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
+    # trylast: inside the capture of the call, which then holds what the workers of a
+    # process group printed during the test (the echo follows their logs every 0.1 s:
+    # the last lines came at teardown, under the wrong heading)
+    yield
+    group = getattr(item, "funcargs", {}).get("actorgrad_process_group")
+    echo = getattr(group, "echo", None)
+    if echo is not None:
+        echo.flush()
 
 
 def _world_size(request: pytest.FixtureRequest) -> int:
@@ -95,6 +109,8 @@ def actorgrad_process_group(request: pytest.FixtureRequest) -> LocalGroup:
 
 @contextlib.asynccontextmanager
 async def _in_process_group(request: pytest.FixtureRequest) -> AsyncIterator[InProcessGroup]:
+    from ._group import start_in_process
+
     group = await start_in_process(_world_size(request))
     try:
         yield group
@@ -104,6 +120,8 @@ async def _in_process_group(request: pytest.FixtureRequest) -> AsyncIterator[InP
 
 @contextlib.asynccontextmanager
 async def _process_group(request: pytest.FixtureRequest) -> AsyncIterator[LocalGroup]:
+    from ._group import local_group
+
     group = await local_group(_world_size(request))
     try:
         yield group

@@ -141,6 +141,38 @@ async def test_separate_process(actorgrad_process_group):
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
+def test_what_a_process_groups_workers_print_is_in_the_tests_captured_output(pytester: pytest.Pytester) -> None:
+    """The echo follows the workers' logs every 0.1 s: what they printed just before the
+    test ended came at teardown, under the wrong heading of a failing test's report."""
+    pytester.makepyfile(test_prints='''
+import actorgrad as ag
+
+def hello():
+    print("hello from", ag.get_worker_info().name, flush=True)
+    return 1
+
+async def test_prints_then_fails(actorgrad_process_group):
+    assert await ag.rpc_async("worker1", hello) == 2
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "asyncio_mode=auto", "-q")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*- Captured stdout call -*", "[[]worker1[]] hello from worker1"])
+
+
+def test_the_plugin_loads_no_torch_until_a_group_starts() -> None:
+    """Every pytest run of an environment with actorgrad imports the plugin: it took
+    two seconds (torch) also in projects that never use it."""
+    import subprocess
+
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = "import sys, actorgrad.testing._plugin; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 @pytest.mark.parametrize("forked", [True, False], ids=["fork-server", "new-interpreters"])
 async def test_local_group_reports_a_worker_that_dies_at_start(tmp_path, monkeypatch, forked) -> None:  # type: ignore[no-untyped-def]
     # e.g. a notebook that put actorgrad on sys.path by hand: the worker process (or the
