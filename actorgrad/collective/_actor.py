@@ -517,13 +517,12 @@ class CollectiveActor:
         if nbytes > _ops.COPY_FREE_BYTES:
             ack_id = next(self._ack_ids)
         header: tuple[Any, ...] = (group.id, tag, tuple(work.shape), str(work.dtype).removeprefix("torch."), ack_id)
-        if 0 < nbytes <= _ops.INLINE_MAX_BYTES:  # inside the header: a frame of one part
-            header += (_ops.to_bytes(work),)   # decodes in a fraction of a buffer's time
-            payload = Payload(pickle.dumps(header, protocol=5))
-        else:
-            payload = Payload(pickle.dumps(header, protocol=5))
-            if nbytes:
-                payload.buffers = [byte_view(work)]
+        inline = nbytes <= _ops.INLINE_MAX_BYTES
+        if inline and nbytes:  # inside the header: a frame of one part, which decodes in a
+            header += (_ops.to_bytes(work),)  # fraction of the time of one with a buffer
+        payload = Payload(pickle.dumps(header, protocol=5))
+        if not inline:
+            payload.buffers = [byte_view(work)]
         if dst in self._lost:
             future.set_exception(CollectiveRankLost(f"send to rank {dst}: the worker is gone ({self._lost[dst]})"))
             return future

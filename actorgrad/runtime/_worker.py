@@ -97,6 +97,22 @@ _REFUSED_GRACE_S = 1.0
 _UNREACHABLE_GRACE_S = 5.0
 _UNREACHABLE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
                           errno.ETIMEDOUT})
+
+
+def _dial_failure(rank: int, address: tuple[str, int], exc: OSError) -> tuple[float, str]:
+    """How long a failure to reach ``rank`` at its published ``address`` is tried again,
+    and what is said once it is not."""
+    where = f"{address[0]}:{address[1]}"
+    if isinstance(exc, (ConnectionRefusedError, ConnectionResetError)):
+        return _REFUSED_GRACE_S, (
+            f"rank {rank} refuses connections at {where}, the address it published: it stopped "
+            "listening (it gave up forming the group, or exited), or that address does not "
+            f"reach it (RpcOptions.advertise_host): {exc}")
+    unreachable = f"rank {rank} cannot be reached at {where}, the address it published ({exc})"
+    if exc.errno in _UNREACHABLE or isinstance(exc, socket.gaierror):
+        return _UNREACHABLE_GRACE_S, (
+            f"{unreachable}: is it an address this host reaches (RpcOptions.advertise_host on that rank)?")
+    return 0.0, unreachable
 # A Goodbye that starts so tells the peers the error the program stopped on; the reason
 # travels in a control frame, which must stay small.
 _STOPPED_ON_ERROR = "it stopped on an error: "
@@ -494,7 +510,7 @@ class Worker:
             unix = unix_endpoint(str(local[0]))
             proto = await _local.connect(self.loop, lambda: self._accept(True, unix), *local)
         delay = 0.01
-        refused_since = unreachable_since = None
+        failing_since: dict[float, float] = {}
         tcp = tcp_endpoint(address[0], address[1])
         client_tls = self.options.ssl_client_context
 
@@ -510,32 +526,15 @@ class Worker:
             try:
                 proto = await _tcp.dial(address[0], address[1], dial_one)
                 break
-            except (ConnectionRefusedError, ConnectionResetError) as exc:
-                if (failed := self._failed_wait()) is not None:
-                    raise failed from None
-                now = time.monotonic()
-                refused_since = refused_since or now
-                if now - refused_since >= _REFUSED_GRACE_S:
-                    raise WorkerLost(self.infos[rank].name, (
-                        f"rank {rank} refuses connections at {address[0]}:{address[1]}, the address it "
-                        "published: it stopped listening (it gave up forming the group, or exited), "
-                        f"or that address does not reach it (RpcOptions.advertise_host): {exc}")) from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)
             except ssl.SSLError:
                 raise
-            except OSError as exc:  # no route, host down, a name that does not resolve
+            except OSError as exc:  # refused, reset, no route, a name that does not resolve
                 if (failed := self._failed_wait()) is not None:
                     raise failed from None
+                grace, why = _dial_failure(rank, address, exc)
                 now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                unreachable = exc.errno in _UNREACHABLE or isinstance(exc, socket.gaierror)
-                if not unreachable or now - unreachable_since >= _UNREACHABLE_GRACE_S:
-                    hint = (": is it an address this host reaches (RpcOptions.advertise_host on "
-                            "that rank)?") if unreachable else ""
-                    raise WorkerLost(self.infos[rank].name, (
-                        f"rank {rank} cannot be reached at {address[0]}:{address[1]}, the address "
-                        f"it published ({exc}){hint}")) from None
+                if now - failing_since.setdefault(grace, now) >= grace:  # (one clock per kind)
+                    raise WorkerLost(self.infos[rank].name, why) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
         await proto.established
